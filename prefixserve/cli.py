@@ -1,0 +1,53 @@
+"""`prefixserve serve | generate | bench | usage`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from prefixserve.server.run import add_serve_args, run_serve
+
+    add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible server"))
+
+    gen = sub.add_parser("generate", help="answer one prompt and print TTFT and tokens/s")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
+    gen.add_argument("--system", default=None)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+
+    bench = sub.add_parser("bench", help="benchmarks that print numbers")
+    bench.add_argument("what", choices=["engine", "cache"])
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--threads", type=int, default=None)
+
+    from prefixserve.ledger.cli import add_usage_args, run_usage
+
+    add_usage_args(sub.add_parser("usage", help="print the per-tenant, per-day usage ledger"))
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "generate":
+        from prefixserve.generate import run_generate
+
+        return run_generate(args)
+    if args.command == "bench":
+        from prefixserve.benchmarks import run_bench
+
+        return run_bench(args)
+    return run_usage(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Frozen, validated configuration passed into constructors. No globals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "bf16", "fp32")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str | None = None  # None = the embedded SmolLM2 default
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto = bf16 where the CPU has native bf16, else fp32
+    device: str = "auto"  # auto = cuda when present, else cpu
+    max_model_len: int | None = None  # None = the model's own context length
+    num_threads: int | None = None  # None = torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    max_bytes: int = 2 << 30  # one global budget across all namespaces; 0 disables caching
+    block_tokens: int = 32  # granularity of the hash index (a hash finds candidates, tokens confirm)
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0:
+            raise ValueError("cache max_bytes must be >= 0")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    prefill_chunk_tokens: int = 256  # long prompts are prefilled in chunks so decoders keep moving
+    max_batch_tokens: int = 512  # token budget of one engine step (decode rows + prefill chunks)
+    max_num_seqs: int = 64  # sessions running at once; the rest wait
+    offer_finished_turns: bool = True  # cache prompt + reply so the next chat turn hits
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.max_batch_tokens < self.prefill_chunk_tokens:
+            raise ValueError("max_batch_tokens must be >= prefill_chunk_tokens")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # empty = open server with one tenant
+    admin_key: str | None = None
+    data_dir: str = "data"
+    ledger_path: str | None = None  # None = <data_dir>/usage.sqlite3
+    pricing_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        if any(not k for k in self.api_keys):
+            raise ValueError("an API key must not be empty")

@@ -1,0 +1,53 @@
+"""Scheduler + engine loop; ties the cache, the runner and the tokenizer together."""
+
+from __future__ import annotations
+
+import logging
+
+from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
+from prefixserve.engine.async_engine import AsyncEngine
+from prefixserve.engine.core import EngineCore
+from prefixserve.engine.protocol import EngineClient, EngineHealth
+
+log = logging.getLogger("prefixserve.engine")
+
+__all__ = ["AsyncEngine", "EngineClient", "EngineCore", "EngineHealth", "build_engine"]
+
+
+def build_engine(
+    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig
+) -> AsyncEngine:
+    """Load the model, run the invariance self-test, and start the engine thread.
+
+    Raises models.ModelLoadError (with a clear message) when the model cannot be loaded."""
+    import torch
+
+    from prefixserve.cache import PrefixCache
+    from prefixserve.models import load_model, resolve_device, resolve_dtype
+    from prefixserve.runner import ModelRunner
+    from prefixserve.runner.selftest import self_test
+
+    if model_config.num_threads is not None:
+        torch.set_num_threads(model_config.num_threads)
+    device = resolve_device(model_config.device)
+    dtype = resolve_dtype(model_config.dtype, device)
+    loaded = load_model(model_config.path, dtype, device)
+    runner = ModelRunner(loaded.decoder, model_config.num_threads)
+    result = self_test(runner)
+    (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
+    max_len = loaded.arch.max_position
+    if model_config.max_model_len is not None:
+        max_len = min(max_len, model_config.max_model_len)
+    core = EngineCore(
+        runner=runner,
+        tokenizer=loaded.tokenizer,
+        cache=PrefixCache(cache_config),
+        config=engine_config,
+        max_model_len=max_len,
+        emit=lambda rid, d: None,
+        exact_reuse=result.ok,
+    )
+    model_id = model_config.served_model_name or loaded.name
+    log.info("model %s (%s, %s, %s), context %d tokens, %d threads", model_id, loaded.arch.arch, dtype, device,
+             max_len, torch.get_num_threads())
+    return AsyncEngine(core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size)

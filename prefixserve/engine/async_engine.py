@@ -1,0 +1,177 @@
+"""The async face of the engine: one engine thread runs steps; asyncio callers stream Deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prefixserve.engine.core import EngineCore
+from prefixserve.engine.protocol import EngineHealth, TokenizerLike
+from prefixserve.types import Delta, FinishReason, InvalidRequest, PromptTooLong, Request
+
+log = logging.getLogger("prefixserve.engine")
+
+
+class AsyncEngine:
+    """Implements engine.protocol.EngineClient.
+
+    Thread model: `core` is touched only by the engine thread. Callers hand work over through a
+    thread-safe inbox; the engine thread hands Deltas back with `loop.call_soon_threadsafe`.
+    """
+
+    def __init__(self, core: EngineCore, model_id: str, tokenizer: TokenizerLike, selftest_detail: str,
+                 vocab_size: int) -> None:
+        self.core = core
+        self.model_id = model_id
+        self.max_model_len = core.max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._selftest_detail = selftest_detail
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]]] = {}
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._stop = False
+        self._error: str | None = None
+        core.emit = self._emit
+        self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- EngineClient -------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> AsyncIterator[Delta]:
+        self.validate(request)
+        if not self._accepting:
+            raise RuntimeError("the server is shutting down")
+        rid = request.request_id
+        q: asyncio.Queue[Delta] = asyncio.Queue()
+        with self._lock:
+            if rid in self._streams:
+                raise InvalidRequest(f"request id {rid!r} is already in use")
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._submit("add", request)
+        finished = False
+        try:
+            while True:
+                delta = await q.get()
+                if delta.finish_reason is not None:
+                    finished = True
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit("abort", rid)
+            with self._lock:
+                self._streams.pop(rid, None)
+
+    def validate(self, request: Request) -> None:
+        """Raises PromptTooLong / InvalidRequest before any work is queued."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
+                "(including at least one generated token)"
+            )
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            ok=self._error is None and self._thread.is_alive(),
+            exact_reuse=self.core.exact_reuse,
+            detail=self._error or self._selftest_detail,
+            num_running=self.core.num_running(),
+            num_waiting=self.core.num_waiting(),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        st = self.core.cache.stats()
+        c = self.core.counters
+        lookups = st.num_lookups or 0
+        hits = st.num_full_hits + st.num_partial_hits
+        return {
+            "cache_bytes": float(self.core.cache.num_bytes),
+            "cache_max_bytes": float(self.core.cache.config.max_bytes),
+            "cache_entries": float(self.core.cache.num_entries),
+            "cache_lookups": float(lookups),
+            "cache_full_hits": float(st.num_full_hits),
+            "cache_partial_hits": float(st.num_partial_hits),
+            "cache_misses": float(st.num_misses),
+            "cache_hit_ratio": float(hits / lookups) if lookups else 0.0,
+            "cache_insertions": float(st.num_insertions),
+            "cache_evictions": float(st.num_evictions),
+            "cache_evicted_bytes": float(st.num_evicted_bytes),
+            "cache_rejected_too_large": float(st.num_rejected_too_large),
+            "engine_requests": float(c.num_requests),
+            "engine_prompt_tokens": float(c.num_prompt_tokens),
+            "engine_cached_tokens": float(c.num_cached_tokens),
+            "engine_computed_prompt_tokens": float(c.num_computed_prompt_tokens),
+            "engine_completion_tokens": float(c.num_completion_tokens),
+            "engine_running": float(self.core.num_running()),
+            "engine_waiting": float(self.core.num_waiting()),
+            "engine_exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
+        }
+
+    async def shutdown(self, drain: bool = True) -> None:
+        self._accepting = False
+        if drain:
+            while self.core.has_work() or not self._inbox.empty():
+                await asyncio.sleep(0.05)
+        else:
+            self._submit("abort_all", None)
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _submit(self, kind: str, arg: Any) -> None:
+        self._inbox.put((kind, arg))
+        self._wake.set()
+
+    def _emit(self, request_id: str, delta: Delta) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, delta)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.core.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.core.step()
+            except Exception as e:  # a bug or OOM: fail what is running, keep serving
+                log.exception("engine step failed")
+                self._error = None
+                self.core.abort_all(FinishReason.ERROR)
+                log.error("failed all running requests after: %s", e)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.core.add(arg)
+            elif kind == "abort":
+                self.core.abort(arg)
+            elif kind == "abort_all":
+                self.core.abort_all()

@@ -1,0 +1,230 @@
+"""The synchronous engine: scheduler step, cache lookups and inserts, sampling, stop handling.
+
+Driven by exactly one thread (see async_engine.py). Every cache and runner call happens here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefixserve.cache import Hit, PrefixCache
+from prefixserve.config import EngineConfig
+from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.engine.protocol import TokenizerLike
+from prefixserve.engine.session import Phase, Session
+from prefixserve.runner import ModelRunner, StepItem, make_generator, sample
+from prefixserve.types import Delta, FinishReason, Request
+
+log = logging.getLogger("prefixserve.engine")
+
+MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
+
+Emit = Callable[[str, Delta], None]
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    num_requests: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_steps: int = 0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: TokenizerLike,
+        cache: PrefixCache,
+        config: EngineConfig,
+        max_model_len: int,
+        emit: Emit,
+        exact_reuse: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.config = config
+        self.max_model_len = max_model_len
+        self.emit = emit
+        self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
+        self.waiting: deque[Session] = deque()
+        self.running: list[Session] = []
+        self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
+        self.counters = EngineCounters()
+
+    # ---- public -------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a validated request (its prompt fits: len(prompt) < max_model_len)."""
+        sp = request.sampling
+        self.waiting.append(Session(
+            request=request,
+            detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
+            generator=make_generator(sp.seed),
+        ))
+        self.counters.num_requests += 1
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request now with ABORT (usage = what was actually computed). Unknown ids: no-op."""
+        for s in self.waiting:
+            if s.request.request_id == request_id:
+                self.waiting.remove(s)
+                self._finish(s, FinishReason.ABORT)
+                return
+        for s in self.running:
+            if s.request.request_id == request_id:
+                self._finish(s, FinishReason.ABORT)
+                return
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        for s in list(self.waiting) + list(self.running):
+            if s in self.waiting:
+                self.waiting.remove(s)
+            self._finish(s, reason)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> None:
+        """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
+        self._admit()
+        items: list[StepItem] = []
+        prefill_ends: list[tuple[Session, int, int]] = []
+        decoding: list[Session] = []
+        budget = self.config.max_batch_tokens
+        for s in self.running:
+            if s.phase is Phase.DECODE and s.request.request_id in self._pending:
+                items.append(StepItem(s.state, [self._pending.pop(s.request.request_id)]))  # type: ignore[arg-type]
+                decoding.append(s)
+                budget -= 1
+        for s in self.running:
+            if s.phase is not Phase.PREFILL or budget <= 0:
+                continue
+            start, end = s.next_prefill_chunk(min(self.config.prefill_chunk_tokens, budget))
+            items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))  # type: ignore[arg-type]
+            prefill_ends.append((s, start, end))
+            budget -= end - start
+        if items:
+            self.runner.step(items)
+            self.counters.num_steps += 1
+        for s, start, end in prefill_ends:
+            self.counters.num_computed_prompt_tokens += end - start
+            if end == s.boundary:
+                self._insert(s, end)
+            if end == s.prompt_len:
+                self._insert(s, end)
+                s.phase = Phase.DECODE
+                self._sample(s)
+        for s in decoding:
+            if s.phase is Phase.DECODE:
+                self._sample(s)
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- admission: cache lookup and restore --------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            s = self.waiting.popleft()
+            self.running.append(s)
+            self._start(s)
+
+    def _start(self, s: Session) -> None:
+        req = s.request
+        room = s.prompt_len + min(req.sampling.max_tokens, self.max_model_len - s.prompt_len)
+        hit = self.cache.lookup(req.namespace, req.prompt_ids) if self.exact_reuse else None
+        if isinstance(hit, Hit):
+            with self.cache.pinned(hit.entry):
+                s.state = hit.entry.state.restore(hit.num_cached_tokens, room - hit.num_cached_tokens)  # type: ignore[attr-defined]
+            s.num_cached = hit.num_cached_tokens
+        else:
+            s.state = self.runner.new_state(room)
+        lcp = 0 if hit is None else hit.lcp_len
+        if MIN_BOUNDARY_TOKENS <= lcp < s.prompt_len and not (
+            isinstance(hit, Hit) and hit.entry.num_tokens == lcp
+        ):
+            s.boundary = lcp
+            if s.num_cached == lcp:  # already holds the boundary (copied from a longer entry)
+                self._insert(s, lcp)
+        self.counters.num_prompt_tokens += s.prompt_len
+        self.counters.num_cached_tokens += s.num_cached
+        if s.num_cached == s.prompt_len:  # full hit: the entry's stored logits give the first token
+            assert s.state is not None and s.state.logits is not None
+            s.phase = Phase.DECODE
+            self._sample(s)
+        else:
+            s.phase = Phase.PREFILL
+
+    def _insert(self, s: Session, num_tokens: int) -> None:
+        """Offer the session's state at `num_tokens` (a boundary or the full prompt) to the cache."""
+        if not self.exact_reuse or self.cache.config.max_bytes == 0:
+            return
+        assert s.state is not None and num_tokens <= s.state.num_tokens
+        self.cache.insert(s.request.namespace, s.request.prompt_ids[:num_tokens], s.state.snapshot(num_tokens))
+
+    # ---- decode: sampling, stopping, finishing ------------------------------------------------
+
+    def _sample(self, s: Session) -> None:
+        assert s.state is not None and s.state.logits is not None
+        sp = s.request.sampling
+        token = sample(s.state.logits, sp, s.generator)
+        if s.first_token_at is None:
+            s.first_token_at = time.monotonic()
+        s.output_ids.append(token)
+        self.counters.num_completion_tokens += 1
+        reason: FinishReason | None = None
+        text = ""
+        if (token in self.tokenizer.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            text = s.detok.add(token)
+            if s.detok.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (
+            len(s.output_ids) >= sp.max_tokens or s.state.num_tokens + 1 >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is None:
+            self._pending[s.request.request_id] = token
+            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,)))
+        else:
+            self._finish(s, reason, text, (token,))
+
+    def _finish(self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+        if s.phase is Phase.FINISHED:
+            return
+        s.phase = Phase.FINISHED
+        s.finish_reason = reason
+        self._pending.pop(s.request.request_id, None)
+        if s in self.running:
+            self.running.remove(s)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.counters.num_finished += 1
+            self._offer_turn(s)
+        else:
+            self.counters.num_aborted += 1
+        text += s.detok.flush()
+        self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=s.usage()))
+        s.state = None  # free the session's KV now
+
+    def _offer_turn(self, s: Session) -> None:
+        """Cache prompt + reply so the next turn of the conversation hits its own history."""
+        st = s.state
+        if not self.config.offer_finished_turns or st is None or st.num_tokens <= s.prompt_len:
+            return
+        ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
+        if self.exact_reuse and self.cache.config.max_bytes > 0:
+            self.cache.insert(s.request.namespace, ids, st.snapshot())

@@ -1,0 +1,59 @@
+"""What the HTTP layer may rely on from the engine. The server imports this; nothing here imports the server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prefixserve.types import Delta, InvalidRequest, PromptTooLong, Request, TemplateError
+
+__all__ = ["EngineClient", "EngineHealth", "InvalidRequest", "PromptTooLong", "TemplateError", "TokenizerLike"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    ok: bool
+    exact_reuse: bool  # the start-up self-test found the runtime batch/split invariant; else no reuse
+    detail: str
+    num_running: int
+    num_waiting: int
+
+
+class TokenizerLike(Protocol):
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Chat template -> token ids. Raises TemplateError on messages the template rejects."""
+        ...
+
+
+class EngineClient(Protocol):
+    model_id: str  # the served model name, also the cache namespace's model_id
+    max_model_len: int
+    tokenizer: TokenizerLike
+
+    def generate(self, request: Request) -> AsyncIterator[Delta]:
+        """Stream the request's output. Raises PromptTooLong before yielding if it cannot fit.
+        Closing the iterator early (client gone) aborts the request and frees its session; the
+        final Delta carries finish_reason and worker-truth usage (also for aborts)."""
+        ...
+
+    def health(self) -> EngineHealth: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Aggregate counters and gauges (no tenant labels): cache_bytes, cache_entries, evictions, ..."""
+        ...
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Stop accepting work; with drain, finish what is running first."""
+        ...

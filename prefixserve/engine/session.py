@@ -1,0 +1,63 @@
+"""A request while the engine works on it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.runner import SessionState
+from prefixserve.types import FinishReason, Request, Usage
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Session:
+    """Engine-thread-only object. Region map of the prompt while prefilling:
+
+    # [0, num_cached)            copied from the cache entry
+    # [num_cached, num_computed) computed by this session so far
+    # boundary                   where a boundary entry is inserted on the way (0 = none)
+    """
+
+    request: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator
+    state: SessionState | None = None
+    phase: Phase = Phase.WAITING
+    num_cached: int = 0
+    boundary: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return 0 if self.state is None else self.state.num_tokens
+
+    def usage(self) -> Usage:
+        """Worker truth: what this session was served from cache and what it produced."""
+        return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.output_ids),
+                     cached_tokens=self.num_cached)
+
+    def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
+        """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary."""
+        start = self.num_computed
+        end = min(self.prompt_len, start + chunk_tokens)
+        if start < self.boundary < end:
+            end = self.boundary
+        return start, end

@@ -1,0 +1,123 @@
+"""Lean Llama-family decoder (llama, mistral, qwen2, qwen3) over a batch of sessions.
+
+The decoder owns weights only. Per-session KV lives in the runner; a forward call receives, for
+each session in the batch, a `Segment`: where its new tokens start and a view of its KV tensor.
+Every row's arithmetic is batch- and split-invariant (see layers.py), which is what makes cached
+prefixes exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixserve.models.arch import ArchConfig
+from prefixserve.models.layers import apply_rope, block_attention, inv_linear, rms_norm, rope_tables
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]  (q, k, v fused)
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, q_size]
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]  (gate, up fused)
+    down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Segment:
+    """One session's share of a batched forward.
+
+    kv: [num_layers, 2, num_kv_heads, capacity, head_dim]; positions [0, start) hold the session's
+    past keys/values, the forward writes [start, start + num_new), everything after stays zero.
+    """
+
+    start: int
+    num_new: int
+    kv: torch.Tensor
+    want_logits: bool = True
+
+
+class Decoder:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        min_rows: int,
+    ) -> None:
+        self.arch = arch
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
+        self.min_rows = min_rows
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.inv_freq = 1.0 / (
+            arch.rope_theta
+            ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64, device=self.device).float() / arch.head_dim)
+        )
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """token_ids: [sum(num_new)] int64, segments in the same order.
+
+        Writes each segment's new K/V into its kv tensor. Returns fp32 logits [num_wanted, vocab],
+        one row per segment with want_logits (its last new position), in segment order.
+        """
+        a = self.arch
+        positions = torch.cat(
+            [torch.arange(s.start, s.start + s.num_new, device=self.device) for s in segments]
+        )
+        cos, sin = rope_tables(positions, self.inv_freq, self.dtype)
+        h = self.embed[token_ids]  # [num_tokens, hidden]
+        for li, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.attn_norm, a.rms_eps)
+            qkv = inv_linear(x, lw.qkv, lw.qkv_bias, self.min_rows)
+            q = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
+            k = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
+            v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q, lw.q_norm, a.rms_eps)
+                k = rms_norm(k, lw.k_norm, a.rms_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            attn = self._attention(li, q, k, v, segments)
+            h = h + inv_linear(attn, lw.o_proj, None, self.min_rows)
+            x = rms_norm(h, lw.mlp_norm, a.rms_eps)
+            gu = inv_linear(x, lw.gate_up, None, self.min_rows)
+            gate, up = gu.split(a.intermediate_size, dim=-1)
+            h = h + inv_linear(F.silu(gate) * up, lw.down, None, self.min_rows)
+        last_rows: list[int] = []
+        offset = 0
+        for s in segments:
+            offset += s.num_new
+            if s.want_logits:
+                last_rows.append(offset - 1)
+        if not last_rows:
+            return torch.empty(0, a.vocab_size)
+        x = rms_norm(h[last_rows], self.final_norm, a.rms_eps)
+        return inv_linear(x, self.lm_head, None, self.min_rows).float()
+
+    def _attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]
+    ) -> torch.Tensor:
+        outs = []
+        offset = 0
+        for s in segments:
+            end = offset + s.num_new
+            kv = s.kv[layer]  # [2, kv_heads, capacity, head_dim]
+            kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
+            kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
+            outs.append(block_attention(q[offset:end], kv[0], kv[1], s.start, self.min_rows))
+            offset = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

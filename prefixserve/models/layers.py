@@ -1,0 +1,89 @@
+"""Batch-invariant building blocks (DESIGN.md §3).
+
+Every function here gives each row the same bits whatever else is in the batch and however the
+work was split: matmuls run on at least `min_rows` rows (zero rows appended, result sliced), and
+attention runs over key blocks of `BLOCK` keys aligned to absolute positions, summed in a fixed
+sequential order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32  # keys per attention block, aligned to absolute positions
+DEFAULT_MIN_ROWS = 16  # matmul rows at and above which MKL/oneDNN rows are bit-invariant here
+
+
+def inv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
+    """x: [num_rows, in] -> [num_rows, out]; rows padded to `min_rows` so every row's bits are invariant."""
+    num_rows = x.shape[0]
+    if num_rows < min_rows:
+        x = torch.cat([x, x.new_zeros(min_rows - num_rows, x.shape[1])])
+        return F.linear(x, weight, bias)[:num_rows]
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row-wise RMSNorm computed in fp32 (as the reference implementation does), result in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [n] int64 -> cos, sin: [n, 1, head_dim] (rotate-half layout), computed in fp32."""
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, head_dim]; elementwise per position, so trivially invariant."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def block_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, min_rows: int
+) -> torch.Tensor:
+    """Causal attention of `n` new query rows at absolute positions [start, start + n).
+
+    q: [n, num_heads, head_dim], already scaled-free (scaling applied here).
+    k_cache, v_cache: [num_kv_heads, capacity, head_dim], keys [0, start + n) valid, the rest ZERO
+    (finite), capacity a multiple of BLOCK and >= the block-rounded key length.
+    Returns [n, num_heads * head_dim].
+
+    Bits of a row depend only on its own query and keys: the row max is exact, exp and the division
+    are elementwise, per-block sums run over exactly BLOCK keys, and blocks are accumulated in
+    absolute order by a sequential scan (cumsum), so trailing fully-masked blocks add exact zeros.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    rep = num_heads // num_kv_heads
+    key_len = start + n
+    num_blocks = (key_len + BLOCK - 1) // BLOCK
+    # q rows grouped by kv head: [kv_heads, rep * n, head_dim], row r = (head-in-group, token)
+    qg = q.view(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, rep * n, head_dim)
+    num_rows = rep * n
+    if num_rows < min_rows:
+        qg = torch.cat([qg, qg.new_zeros(num_kv_heads, min_rows - num_rows, head_dim)], dim=1)
+    padded_rows = qg.shape[1]
+    kb = k_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
+    vb = v_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
+    # scores: [kv_heads, num_blocks, padded_rows, BLOCK]
+    scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2)) * (head_dim**-0.5)
+    q_pos = torch.arange(n).repeat(rep) + start
+    if padded_rows > num_rows:
+        q_pos = torch.cat([q_pos, q_pos.new_full((padded_rows - num_rows,), key_len - 1)])
+    k_pos = torch.arange(num_blocks * BLOCK).view(num_blocks, 1, BLOCK)
+    mask = k_pos > q_pos.view(1, padded_rows, 1)  # [num_blocks, padded_rows, BLOCK]
+    scores = scores.masked_fill(mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)
+    e = torch.exp(scores - row_max)
+    den = e.sum(dim=-1).cumsum(dim=1)[:, -1]  # [kv_heads, padded_rows]
+    out = torch.matmul(e, vb).cumsum(dim=1)[:, -1]  # [kv_heads, padded_rows, head_dim]
+    out = out / den.unsqueeze(-1)
+    out = out[:, :num_rows].view(num_kv_heads, rep, n, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(n, num_heads * head_dim)

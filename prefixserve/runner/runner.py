@@ -1,0 +1,65 @@
+"""Batched forward over several sessions' states (prefill chunks and decode rows together)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixserve.models.decoder import Decoder, Segment
+from prefixserve.runner.state import SessionState
+
+
+@dataclass(slots=True)
+class StepItem:
+    """Feed `token_ids` to `state` (appending at state.num_tokens)."""
+
+    state: SessionState
+    token_ids: Sequence[int]
+    want_logits: bool = True
+
+
+class ModelRunner:
+    """Owns the decoder and runs batched steps. Not thread-safe: one engine thread drives it."""
+
+    def __init__(self, decoder: Decoder, num_threads: int | None = None) -> None:
+        self.decoder = decoder
+        if num_threads is not None and decoder.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+        a = decoder.arch
+        self.state_shape = (a.num_layers, 2, a.num_kv_heads, a.head_dim)
+
+    def new_state(self, capacity: int = 0) -> SessionState:
+        return SessionState.empty(self.state_shape, self.decoder.dtype, str(self.decoder.device), capacity)
+
+    def kv_bytes_per_token(self) -> int:
+        layers, two, heads, head_dim = self.state_shape
+        return layers * two * heads * head_dim * self.decoder.embed.element_size()
+
+    def step(self, items: Sequence[StepItem]) -> None:
+        """One batched forward. Afterwards every state has consumed its tokens; states with
+        want_logits hold the fp32 logits of their new last position, the others hold none."""
+        if not items:
+            return
+        segments = []
+        for it in items:
+            assert len(it.token_ids) > 0
+            it.state.reserve(it.state.num_tokens + len(it.token_ids))
+            segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits))
+        ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.decoder.device)
+        logits = self.decoder.forward(ids, segments)
+        row = 0
+        for it in items:
+            it.state.num_tokens += len(it.token_ids)
+            if it.want_logits:
+                it.state.logits = logits[row].cpu() if logits.device.type != "cpu" else logits[row]
+                row += 1
+            else:
+                it.state.logits = None
+
+    def prefill(self, state: SessionState, token_ids: Sequence[int], chunk_tokens: int) -> None:
+        """Feed a whole prompt in chunks (used by tests, the CLI and the self-test)."""
+        for i in range(0, len(token_ids), chunk_tokens):
+            part = token_ids[i : i + chunk_tokens]
+            self.step([StepItem(state, part, want_logits=i + chunk_tokens >= len(token_ids))])
