@@ -50,14 +50,15 @@ def block_attention(
 ) -> torch.Tensor:
     """Causal attention of `n` new query rows at absolute positions [start, start + n).
 
-    q: [n, num_heads, head_dim], already scaled-free (scaling applied here).
-    k_cache, v_cache: [num_kv_heads, capacity, head_dim], keys [0, start + n) valid, the rest ZERO
+    q: [n, num_heads, head_dim] (unscaled).
+    k_cache, v_cache: [num_kv_heads, capacity, head_dim]; keys [0, start + n) valid, the rest ZERO
     (finite), capacity a multiple of BLOCK and >= the block-rounded key length.
     Returns [n, num_heads * head_dim].
 
-    Bits of a row depend only on its own query and keys: the row max is exact, exp and the division
-    are elementwise, per-block sums run over exactly BLOCK keys, and blocks are accumulated in
-    absolute order by a sequential scan (cumsum), so trailing fully-masked blocks add exact zeros.
+    Bits of a row depend only on its own query and keys: scores and P·V are matmuls over exactly
+    BLOCK keys with >= min_rows rows, the row max is exact, exp and the division are elementwise,
+    and the per-block partials are combined by `fixed_tree_sum`, whose result does not change when
+    fully-masked (all-zero) blocks are appended.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
@@ -65,25 +66,41 @@ def block_attention(
     key_len = start + n
     num_blocks = (key_len + BLOCK - 1) // BLOCK
     # q rows grouped by kv head: [kv_heads, rep * n, head_dim], row r = (head-in-group, token)
-    qg = q.view(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, rep * n, head_dim)
+    qg = (q * head_dim**-0.5).view(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(num_kv_heads, rep * n, head_dim)
     num_rows = rep * n
     if num_rows < min_rows:
         qg = torch.cat([qg, qg.new_zeros(num_kv_heads, min_rows - num_rows, head_dim)], dim=1)
     padded_rows = qg.shape[1]
     kb = k_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
     vb = v_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
-    # scores: [kv_heads, num_blocks, padded_rows, BLOCK]
-    scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2)) * (head_dim**-0.5)
-    q_pos = torch.arange(n).repeat(rep) + start
+    scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2))  # [kv_heads, num_blocks, padded_rows, BLOCK]
+    # only blocks at or after the first new position can hold keys in a row's future
+    first = start // BLOCK
+    q_pos = torch.arange(start, key_len).repeat(rep)
     if padded_rows > num_rows:
         q_pos = torch.cat([q_pos, q_pos.new_full((padded_rows - num_rows,), key_len - 1)])
-    k_pos = torch.arange(num_blocks * BLOCK).view(num_blocks, 1, BLOCK)
-    mask = k_pos > q_pos.view(1, padded_rows, 1)  # [num_blocks, padded_rows, BLOCK]
-    scores = scores.masked_fill(mask, float("-inf"))
+    k_pos = torch.arange(first * BLOCK, num_blocks * BLOCK).view(num_blocks - first, 1, BLOCK)
+    future = k_pos > q_pos.view(1, padded_rows, 1)  # [num_blocks - first, padded_rows, BLOCK]
+    scores[:, first:].masked_fill_(future, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)
     e = torch.exp(scores - row_max)
-    den = e.sum(dim=-1).cumsum(dim=1)[:, -1]  # [kv_heads, padded_rows]
-    out = torch.matmul(e, vb).cumsum(dim=1)[:, -1]  # [kv_heads, padded_rows, head_dim]
+    den = fixed_tree_sum(e.sum(dim=-1))  # [kv_heads, padded_rows]
+    out = fixed_tree_sum(torch.matmul(e, vb))  # [kv_heads, padded_rows, head_dim]
     out = out / den.unsqueeze(-1)
     out = out[:, :num_rows].view(num_kv_heads, rep, n, head_dim).permute(2, 0, 1, 3)
     return out.reshape(n, num_heads * head_dim)
+
+
+def fixed_tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 1 by a pairwise tree aligned to index 0: (0+1), (2+3), ... level by level.
+
+    Appending zero slices never changes the result (a pair with a zero partner passes its value
+    through unchanged, and all-zero pairs stay zero), so a query row's sum is the same whatever
+    the total key length of the call.
+    """
+    while x.shape[1] > 1:
+        if x.shape[1] % 2:
+            x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
+        x = x[:, 0::2] + x[:, 1::2]
+    return x[:, 0]

@@ -1,0 +1,119 @@
+"""Engine speed beside the `transformers` model on the same (dequantised) weights, in one run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from prefixserve.models import load_model
+from prefixserve.models.loader import embedded_model_path
+from prefixserve.runner import ModelRunner, StepItem
+
+PREFILL_CHUNK = 256  # the engine's default prefill chunk
+
+
+def bench_engine(quick: bool = False, num_threads: int | None = None, print_fn: Callable[[str], object] = print) -> None:
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    reps = 2 if quick else 3
+    rows = []
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ours = _ours(dtype, reps, quick)
+        ref = _transformers(dtype, reps, quick)
+        for key, label, better in (("prefill512", "prefill 512 tok (tok/s)", "higher"),
+                                   ("prefill2048", "prefill 2048 tok (tok/s)", "higher"),
+                                   ("decode1", "decode 1 session (ms/token)", "lower"),
+                                   ("decode8", "decode 8 sessions (ms/step)", "lower")):
+            o, r = ours[key], ref[key]
+            ratio = o / r if better == "higher" else r / o  # > 1 means we are faster
+            rows.append((dtype_name, label, o, r, ratio))
+        print_fn(f"[{dtype_name}] done", )
+    print_fn(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, model {embedded_model_path()}")
+    print_fn("| dtype | measure | prefixserve | transformers | speed-up |")
+    print_fn("|---|---|---:|---:|---:|")
+    for dtype_name, label, o, r, ratio in rows:
+        print_fn(f"| {dtype_name} | {label} | {o:,.1f} | {r:,.1f} | {ratio:.2f}x |")
+    for dtype_name, label, o, _, _ in rows:
+        if label.startswith("decode 1"):
+            print_fn(f"{dtype_name} single-session decode: {1000 / o:.1f} tokens/s")
+
+
+def _median(fn: Callable[[], float], reps: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(reps))
+
+
+def _ours(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float]:
+    m = load_model(None, dtype)
+    runner = ModelRunner(m.decoder)
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+    for n in (512, 2048):
+        ids = torch.randint(3, m.arch.vocab_size, (n,), generator=g).tolist()
+
+        def prefill() -> float:
+            st = runner.new_state(n)
+            t0 = time.perf_counter()
+            runner.prefill(st, ids, PREFILL_CHUNK)
+            return time.perf_counter() - t0
+
+        out[f"prefill{n}"] = n / _median(prefill, 1 if (quick or n > 512) else reps)
+    steps = 8 if quick else 24
+    for batch in (1, 8):
+        states = []
+        for b in range(batch):
+            st = runner.new_state(600)
+            runner.prefill(st, torch.randint(3, m.arch.vocab_size, (500,), generator=g).tolist(), PREFILL_CHUNK)
+            states.append(st)
+
+        def decode() -> float:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                runner.step([StepItem(st, [int(torch.argmax(st.logits))]) for st in states])
+            return (time.perf_counter() - t0) / steps
+
+        out[f"decode{batch}"] = 1000 * _median(decode, 1)
+    return out
+
+
+def _transformers(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float]:
+    import os
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    path = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=dtype).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+    for n in (512, 2048):
+        ids = torch.randint(3, vocab, (1, n), generator=g)
+
+        def prefill() -> float:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(ids, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - t0
+
+        out[f"prefill{n}"] = n / _median(prefill, 1 if (quick or n > 512) else reps)
+    steps = 8 if quick else 24
+    for batch in (1, 8):
+        ids = torch.randint(3, vocab, (batch, 500), generator=g)
+        with torch.inference_mode():
+            o = model(ids, use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1)
+        state = {"cache": o.past_key_values, "next": o.logits[:, -1].argmax(-1, keepdim=True)}
+
+        def decode() -> float:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(steps):
+                    r = model(state["next"], past_key_values=state["cache"], use_cache=True)
+                    state["cache"], state["next"] = r.past_key_values, r.logits[:, -1].argmax(-1, keepdim=True)
+            return (time.perf_counter() - t0) / steps
+
+        out[f"decode{batch}"] = 1000 * _median(decode, 1)
+    return out

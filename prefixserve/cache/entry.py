@@ -1,0 +1,90 @@
+"""Entries and the named results of `PrefixCache.lookup` and `PrefixCache.insert`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prefixserve.cache.state import CachedState
+from prefixserve.types import Namespace
+
+if TYPE_CHECKING:
+    from prefixserve.cache.index import Node
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One cached state, keyed by the exact token prefix it was computed from, inside one namespace.
+
+    Read-only for everyone but the cache. Equality is identity. `truncatable`, `has_logits`, `nbytes`
+    and `pieces` are read from the state once, at insert. An entry stays a valid Python object after
+    the cache drops it (`is_cached` turns False); the state lives as long as someone holds it.
+    """
+
+    namespace: Namespace
+    token_ids: tuple[int, ...]
+    state: CachedState
+    truncatable: bool
+    has_logits: bool
+    nbytes: int
+    pieces: tuple[tuple[Hashable, int], ...]  # (storage key, nbytes), keys distinct
+    num_pins: int = 0  # sessions copying from it right now; > 0 means never evicted
+    is_cached: bool = True  # False once evicted, replaced or cleared
+    node: Node | None = None  # where the index holds it; None once dropped
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        kind = "kv" if self.truncatable else "snapshot"
+        logits = "+logits" if self.has_logits else ""
+        return (
+            f"Entry({self.namespace.tenant_id}/{self.namespace.cache_salt!r}, {self.num_tokens} tokens, "
+            f"{kind}{logits}, {self.nbytes} B, pins={self.num_pins}, cached={self.is_cached})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """Copy the first `num_cached_tokens` tokens of `entry.state` (all of it unless truncatable), then
+    compute the rest of the prompt. `num_cached_tokens == len(prompt)` only when the entry is exactly
+    the prompt and carries its logits: then no forward pass is needed.
+
+    `lcp_len` is the longest common prefix of the prompt with any entry of its namespace (>= the hit);
+    for a snapshot-only runtime it is where a boundary entry pays off."""
+
+    entry: Entry
+    num_cached_tokens: int
+    lcp_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """Nothing usable. `lcp_len` as in `Hit`: insert a boundary entry there so the next request hits."""
+
+    lcp_len: int
+
+
+class InsertStatus(str, enum.Enum):
+    INSERTED = "inserted"  # stored as a new entry
+    REPLACED = "replaced"  # the key was cached without logits; the new state (with logits) replaced it
+    ALREADY_PRESENT = "already_present"  # the key was cached; the existing entry was kept and touched
+    TOO_LARGE = "too_large"  # the state alone exceeds the whole budget; not stored
+    NO_ROOM = "no_room"  # only pinned entries could have been evicted; nothing was evicted, not stored
+    DISABLED = "disabled"  # max_bytes == 0
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    status: InsertStatus
+    entry: Entry | None  # what the cache holds for these tokens after the call (None if nothing)
+    num_evicted: int = 0  # entries evicted to make room
+    num_evicted_bytes: int = 0  # bytes those evictions freed
+
+    @property
+    def stored(self) -> bool:
+        """The state passed in is now cached (the caller must not mutate it from here on)."""
+        return self.status in (InsertStatus.INSERTED, InsertStatus.REPLACED)

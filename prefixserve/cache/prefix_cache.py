@@ -1,0 +1,290 @@
+"""The cross-request prefix cache: exact keys, namespaces, one global LRU byte budget.
+
+Threading: the engine drives the cache from its one loop thread; nothing here locks. A state may
+be deep-copied on another thread only while its entry is pinned (pin and unpin on the engine thread).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from prefixserve.cache.entry import Entry, Hit, InsertResult, InsertStatus, Miss
+from prefixserve.cache.index import RadixIndex
+from prefixserve.cache.state import CachedState
+from prefixserve.cache.stats import CacheStats, Counters, add_counters, snapshot
+from prefixserve.cache.storage import Pieces, StorageLedger, validate_pieces
+from prefixserve.config import CacheConfig
+from prefixserve.types import Namespace
+
+# Namespaces that hold no entries keep their own counters until there are this many namespaces;
+# then they are folded into one aggregate (salts are client-chosen, so namespaces are unbounded).
+MAX_IDLE_NAMESPACES = 4096
+
+
+@dataclass(slots=True)
+class _Space:
+    """One namespace: its index, its bytes (shared storage once within it) and its counters."""
+
+    index: RadixIndex = field(default_factory=RadixIndex)
+    ledger: StorageLedger = field(default_factory=StorageLedger)
+    counters: Counters = field(default_factory=Counters)
+
+
+class PrefixCache:
+    """Model states keyed by (namespace, exact token-id prefix), within `config.max_bytes` in all.
+
+    Visibility is per namespace: a lookup sees only its own namespace's entries. Memory is global:
+    an insert in one namespace may evict another's least recently used entries. Pinned entries are
+    never evicted. Every method runs on the engine thread (see the module docstring).
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self._spaces: dict[Namespace, _Space] = {}
+        self._lru: OrderedDict[Entry, None] = OrderedDict()  # least recently used first
+        self._ledger = StorageLedger()  # all entries; shared storage once across namespaces
+        self._retired = Counters()  # counters of idle namespaces folded away
+        self._sweep_at = MAX_IDLE_NAMESPACES
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by cached entries, shared storage counted once. Always <= config.max_bytes."""
+        return self._ledger.num_bytes
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, ns: Namespace, token_ids: Sequence[int]) -> Hit | Miss:
+        """The entry serving the most tokens of the prompt `token_ids` in namespace `ns`.
+
+        Mutates only recency (a hit becomes most recently used) and counters; always safe to call.
+        Usable: an entry whose key is a proper prefix of the prompt serves its length; one equal to
+        the prompt serves all of it only if it has logits; a truncatable entry also serves its
+        longest common prefix with the prompt, capped at len(prompt) - 1. To copy the state, pin
+        the entry (`pinned`) before returning to anything that could insert or evict.
+        """
+        space = self._space(ns)
+        counters = space.counters
+        counters.num_lookups += 1
+        if space.index.num_entries == 0:
+            counters.num_misses += 1
+            return Miss(0)
+        prompt = token_ids if type(token_ids) is tuple else tuple(token_ids)
+        match = space.index.match(prompt)
+        if match.entry is None:
+            counters.num_misses += 1
+            return Miss(match.lcp_len)
+        self._lru.move_to_end(match.entry)
+        counters.num_cached_tokens += match.num_cached_tokens
+        if match.num_cached_tokens == len(prompt):
+            counters.num_full_hits += 1
+        else:
+            counters.num_partial_hits += 1
+        return Hit(match.entry, match.num_cached_tokens, match.lcp_len)
+
+    def insert(self, ns: Namespace, token_ids: Sequence[int], state: CachedState) -> InsertResult:
+        """Cache `state`, the model state after the prompt `token_ids`, in namespace `ns`.
+
+        Mutates. On `stored`, the cache holds `state` and the caller must never mutate it again
+        (copy it first if it will keep running). Makes room by evicting least recently used unpinned
+        entries of any namespace, and evicts nothing unless the state then fits. Tokens already
+        cached: the existing entry is touched and kept, unless it lacks logits, the new state has
+        them and no one pins the old one: then it is replaced. Raises ValueError if the state's
+        `num_tokens` is not len(token_ids), token_ids is empty, or its storage breaks its contract.
+        """
+        key = token_ids if type(token_ids) is tuple else tuple(token_ids)
+        if not key:
+            raise ValueError("cannot cache a state of an empty prompt")
+        if state.num_tokens != len(key):
+            raise ValueError(f"state covers {state.num_tokens} tokens, the key has {len(key)}")
+        space = self._space(ns)
+        counters = space.counters
+        if self.config.max_bytes == 0:
+            return InsertResult(InsertStatus.DISABLED, None)
+        old = space.index.get(key)
+        if old is not None:
+            self._lru.move_to_end(old)
+            if not (state.has_logits and not old.has_logits and old.num_pins == 0):
+                counters.num_duplicate_insertions += 1
+                return InsertResult(InsertStatus.ALREADY_PRESENT, old)
+        nbytes = state.nbytes
+        pieces = validate_pieces(state.storage(), nbytes, self._ledger)
+        if nbytes > self.config.max_bytes:
+            counters.num_rejected_too_large += 1
+            return InsertResult(InsertStatus.TOO_LARGE, old)
+        victims = self._plan_room(pieces, old)
+        if victims is None:
+            counters.num_rejected_no_room += 1
+            return InsertResult(InsertStatus.NO_ROOM, old)
+        # acquire first, so storage the newcomer shares with a victim is never counted as freed
+        self._ledger.acquire(pieces)
+        space.ledger.acquire(pieces)
+        if old is not None:
+            self._drop(old)
+        num_evicted_bytes = sum(self._evict_one(victim) for victim in victims)
+        entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces)
+        space.index.add(entry)
+        self._lru[entry] = None
+        counters.num_insertions += 1
+        status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
+        return InsertResult(status, entry, len(victims), num_evicted_bytes)
+
+    def evict(self, num_bytes: int) -> int:
+        """Evict least recently used unpinned entries until at least `num_bytes` are freed or none
+        is left; return the bytes freed (entries sharing storage may free less each). Mutates.
+        `evict(0)` does nothing. Raises ValueError on a negative amount."""
+        if num_bytes < 0:
+            raise ValueError("num_bytes must be >= 0")
+        freed = 0
+        while freed < num_bytes:
+            victim = next((e for e in self._lru if e.num_pins == 0), None)
+            if victim is None:
+                break
+            freed += self._evict_one(victim)
+        return freed
+
+    def pin(self, entry: Entry) -> None:
+        """Keep `entry` from eviction until a matching `unpin`. Pins nest. Raises ValueError if the
+        entry is no longer cached (pin right after the lookup, before anything can evict it)."""
+        if not entry.is_cached:
+            raise ValueError(f"{entry} is not cached")
+        entry.num_pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        """Release one `pin`. Safe on an entry dropped by `clear` meanwhile. Raises ValueError if the
+        entry is not pinned."""
+        if entry.num_pins <= 0:
+            raise ValueError(f"{entry} is not pinned")
+        entry.num_pins -= 1
+
+    @contextmanager
+    def pinned(self, entry: Entry) -> Iterator[Entry]:
+        """`with cache.pinned(hit.entry) as entry: copy entry.state` — pin for the block's duration."""
+        self.pin(entry)
+        try:
+            yield entry
+        finally:
+            self.unpin(entry)
+
+    def entries(self, ns: Namespace | None = None) -> list[Entry]:
+        """Cached entries (of `ns`, or all), least recently used first. Does not mutate."""
+        return [e for e in self._lru if ns is None or e.namespace == ns]
+
+    def stats(self) -> CacheStats:
+        """Counters summed over all namespaces, bytes with shared storage once. For public metrics."""
+        counters = [space.counters for space in self._spaces.values()]
+        return snapshot([*counters, self._retired], len(self._lru), self._ledger.num_bytes)
+
+    def stats_for(self, ns: Namespace) -> CacheStats:
+        """One namespace's counters and gauges (zeros once an idle namespace has been folded away)."""
+        space = self._spaces.get(ns)
+        if space is None:
+            return CacheStats()
+        return snapshot([space.counters], space.index.num_entries, space.ledger.num_bytes)
+
+    def clear(self) -> None:
+        """Drop every entry, pinned ones included (holders keep their objects and may still unpin).
+        Counters are kept; the drops are not counted as evictions. Mutates."""
+        for entry in self._lru:
+            entry.is_cached = False
+            entry.node = None
+        self._lru.clear()
+        self._ledger = StorageLedger()
+        for space in self._spaces.values():
+            space.index = RadixIndex()
+            space.ledger = StorageLedger()
+
+    def check_integrity(self) -> None:
+        """Assert every invariant: each namespace's tree is sound and holds exactly that namespace's
+        entries in the LRU; byte totals and storage refcounts match the entries (shared storage
+        once, globally and per namespace); the budget holds; pin counts are >= 0. Does not mutate.
+        Costs O(cached tokens): for tests and debugging."""
+        max_bytes = self.config.max_bytes
+        _require(self._ledger.num_bytes <= max_bytes, f"{self._ledger.num_bytes} B over budget {max_bytes}")
+        by_space: dict[Namespace, list[Entry]] = {}
+        for entry in self._lru:
+            _require(entry.is_cached and entry.node is not None, f"{entry} in the LRU but not indexed")
+            _require(entry.num_pins >= 0, f"{entry} has a negative pin count")
+            _require(entry.nbytes == sum(n for _, n in entry.pieces), f"{entry} nbytes != its pieces")
+            _require(entry.namespace in self._spaces, f"{entry} belongs to an unknown namespace")
+            by_space.setdefault(entry.namespace, []).append(entry)
+        self._ledger.check(entry.pieces for entry in self._lru)
+        for ns, space in self._spaces.items():
+            space.index.check()
+            members = by_space.get(ns, [])
+            _require(
+                {id(e) for e in space.index.entries()} == {id(e) for e in members},
+                f"index of {ns} disagrees with the LRU",
+            )
+            space.ledger.check(entry.pieces for entry in members)
+
+    def _space(self, ns: Namespace) -> _Space:
+        space = self._spaces.get(ns)
+        if space is None:
+            if len(self._spaces) >= self._sweep_at:
+                self._fold_idle_namespaces()
+            space = self._spaces[ns] = _Space()
+        return space
+
+    def _fold_idle_namespaces(self) -> None:
+        """Fold the counters of namespaces without entries into `_retired`; amortised O(1) per call
+        of `_space` because the next sweep waits until the namespace count doubles."""
+        for ns in [ns for ns, space in self._spaces.items() if space.index.num_entries == 0]:
+            retired = self._spaces.pop(ns).counters
+            self._retired = add_counters(self._retired, retired)
+        self._sweep_at = max(MAX_IDLE_NAMESPACES, 2 * len(self._spaces))
+
+    def _plan_room(self, pieces: Pieces, replaced: Entry | None) -> list[Entry] | None:
+        """The LRU-first unpinned entries (not counting `replaced`, which goes anyway) whose removal
+        lets `pieces` fit the budget, or None if no choice does. Does not mutate."""
+        budget = self.config.max_bytes
+        total = self._ledger.num_bytes + self._ledger.bytes_to_add(pieces)
+        kept = {key for key, _ in pieces}  # stays counted whatever is evicted
+        released: dict[object, int] = {}
+
+        def release(entry: Entry) -> int:
+            freed = 0
+            for key, nbytes in entry.pieces:
+                count = released[key] = released.get(key, 0) + 1
+                if count == self._ledger.refcount(key) and key not in kept:
+                    freed += nbytes
+            return freed
+
+        if replaced is not None:
+            total -= release(replaced)
+        victims: list[Entry] = []
+        if total <= budget:
+            return victims
+        for entry in self._lru:
+            if entry.num_pins or entry is replaced:
+                continue
+            victims.append(entry)
+            total -= release(entry)
+            if total <= budget:
+                return victims
+        return None
+
+    def _evict_one(self, entry: Entry) -> int:
+        freed = self._drop(entry)
+        counters = self._spaces[entry.namespace].counters
+        counters.num_evictions += 1
+        counters.num_evicted_bytes += freed
+        return freed
+
+    def _drop(self, entry: Entry) -> int:
+        """Remove a cached entry from index, LRU and ledgers; return the global bytes freed."""
+        space = self._spaces[entry.namespace]
+        space.index.remove(entry)
+        space.ledger.release(entry.pieces)
+        del self._lru[entry]
+        entry.is_cached = False
+        return self._ledger.release(entry.pieces)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

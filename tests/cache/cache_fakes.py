@@ -1,0 +1,59 @@
+"""Small fake `CachedState`s for the cache tests: no model, just token counts and storage pieces."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from prefixserve.cache import PrefixCache
+from prefixserve.config import CacheConfig
+from prefixserve.types import Namespace
+
+_unique = itertools.count()
+
+NS_A = Namespace("model", "tenant-a")
+NS_B = Namespace("model", "tenant-b")
+NS_A_SALT = Namespace("model", "tenant-a", "salt-1")
+NS_A_OTHER_MODEL = Namespace("other-model", "tenant-a")
+
+
+@dataclass(frozen=True)
+class FakeState:
+    num_tokens: int
+    truncatable: bool
+    has_logits: bool
+    pieces: tuple[tuple[Hashable, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.pieces)
+
+    def storage(self) -> list[tuple[Hashable, int]]:
+        return list(self.pieces)
+
+
+def kv(
+    tokens: Sequence[int], nbytes: int = 100, *, logits: bool = False, shared: Sequence[tuple[str, int]] = ()
+) -> FakeState:
+    """A KV-only (truncatable) state over `tokens`: one private piece of `nbytes` plus `shared` pieces."""
+    return _state(tokens, True, logits, nbytes, shared)
+
+
+def snap(
+    tokens: Sequence[int], nbytes: int = 100, *, logits: bool = False, shared: Sequence[tuple[str, int]] = ()
+) -> FakeState:
+    """A snapshot-only (recurrent) state: usable only at exactly len(tokens)."""
+    return _state(tokens, False, logits, nbytes, shared)
+
+
+def make_cache(max_bytes: int = 10_000, block_tokens: int = 4) -> PrefixCache:
+    return PrefixCache(CacheConfig(max_bytes=max_bytes, block_tokens=block_tokens))
+
+
+def _state(
+    tokens: Sequence[int], truncatable: bool, logits: bool, nbytes: int, shared: Sequence[tuple[str, int]]
+) -> FakeState:
+    pieces: list[tuple[Hashable, int]] = [(("own", next(_unique)), nbytes)] if nbytes else []
+    pieces.extend(shared)
+    return FakeState(len(tokens), truncatable, logits, tuple(pieces))

@@ -1,0 +1,122 @@
+"""The engine with the real model: the learning sequence, and cached output == uncached output."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from prefixserve.cache import PrefixCache
+from prefixserve.config import CacheConfig, EngineConfig
+from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.types import Namespace, Request, SamplingParams, Usage
+from tests.conftest import load_embedded
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are Atlas, the support assistant of Northwind Outfitters. " + " ".join(
+    f"Policy {i}: items in department {i} may be returned within {i + 20} days with a receipt; "
+    f"store credit is offered after that, and clearance items of department {i} are final sale."
+    for i in range(1, 21)
+)
+
+
+def make_engine(max_bytes: int, dtype: str = "bf16", chunk: int = 128) -> AsyncEngine:
+    model, runner = load_embedded(dtype)
+    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=max_bytes)),
+                      EngineConfig(prefill_chunk_tokens=chunk, max_batch_tokens=256), 2048, lambda r, d: None)
+    return AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
+
+
+async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int = 12) -> tuple[list[int], Usage]:
+    req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    out: list[int] = []
+    usage = None
+    async for d in engine.generate(req):
+        out += d.token_ids
+        usage = d.usage or usage
+    assert usage is not None
+    return out, usage
+
+
+def chat(tok, user: str) -> list[int]:
+    return tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
+
+
+def test_learning_sequence_and_exact_outputs():
+    cached = make_engine(1 << 30)
+    plain = make_engine(0)
+    tok = cached.tokenizer
+    users = ["Can I return a jacket after 30 days?", "What about clearance shoes?", "Do you offer store credit?",
+             "Can I return a jacket after 30 days?"]
+    prompts = [chat(tok, u) for u in users]
+    shared = 0
+    while prompts[0][shared] == prompts[1][shared]:
+        shared += 1
+    assert shared >= 500
+    ns = Namespace("smol", "tenant-a")
+
+    async def go():
+        results = [await run(cached, p, ns) for p in prompts]
+        refs = [await run(plain, p, ns) for p in prompts]
+        other_tenant = await run(cached, prompts[0], Namespace("smol", "tenant-b"))
+        other_salt = await run(cached, prompts[0], Namespace("smol", "tenant-a", "s1"))
+        await cached.shutdown()
+        await plain.shutdown()
+        return results, refs, other_tenant, other_salt
+
+    results, refs, other_tenant, other_salt = asyncio.run(go())
+    cached_counts = [u.cached_tokens for _, u in results]
+    assert cached_counts[0] == 0  # request 1 seeds
+    assert cached_counts[1] == shared  # request 2 primes from the longest common prefix (KV truncates)
+    assert cached_counts[2] >= shared  # request 3 onward hit
+    assert cached_counts[3] == len(prompts[3])  # identical prompt: full hit, no forward at all
+    for (out, u), (ref_out, ref_u) in zip(results, refs):
+        assert out == ref_out  # caching never changes an output
+        assert ref_u.cached_tokens == 0 and u.prompt_tokens == ref_u.prompt_tokens
+    assert other_tenant[1].cached_tokens == 0 and other_tenant[0] == refs[0][0]
+    assert other_salt[1].cached_tokens == 0
+    assert cached.core.cache.check_integrity() is None
+
+
+def test_next_chat_turn_hits_its_own_history():
+    engine = make_engine(1 << 30)
+    tok = engine.tokenizer
+    ns = Namespace("smol", "t")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi! Who are you?"}]
+
+    async def go():
+        out, u1 = await run(engine, tok.render_chat(first), ns, max_tokens=24)
+        reply = tok.decode(out)
+        second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Thanks."}]
+        ids2 = tok.render_chat(second)
+        _, u2 = await run(engine, ids2, ns)
+        await engine.shutdown()
+        return u1, u2, len(tok.render_chat(first)) + len(out)
+
+    u1, u2, turn_len = asyncio.run(go())
+    assert u1.cached_tokens == 0
+    assert u2.cached_tokens >= turn_len - 2  # the reply (minus its last, unfed token) came from the cache
+
+
+def test_concurrent_sessions_share_one_entry_and_stay_exact():
+    engine = make_engine(1 << 30)
+    plain = make_engine(0)
+    tok = engine.tokenizer
+    ns = Namespace("smol", "t")
+    prompts = [chat(tok, f"Question number {i}: what is policy {i}?") for i in range(6)]
+
+    async def go():
+        await run(engine, prompts[0], ns, max_tokens=2)  # seed
+        await run(engine, prompts[1], ns, max_tokens=2)  # boundary
+        many = await asyncio.gather(*(run(engine, p, ns) for p in prompts))
+        refs = await asyncio.gather(*(run(plain, p, ns) for p in prompts))
+        await engine.shutdown()
+        await plain.shutdown()
+        return many, refs
+
+    many, refs = asyncio.run(go())
+    for (out, u), (ref_out, _) in zip(many, refs):
+        assert u.cached_tokens > 500
+        assert out == ref_out
