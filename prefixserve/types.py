@@ -71,7 +71,8 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """One step of a request's output stream. The last delta has finish_reason and usage set."""
+    """One step of a request's output stream. The last delta has finish_reason set; every delta
+    carries the usage so far (a first delta with no tokens reports the cached tokens at admission)."""
 
     text: str
     token_ids: tuple[int, ...]

@@ -167,6 +167,8 @@ class EngineCore:
             self._sample(s)
         else:
             s.phase = Phase.PREFILL
+            # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
+            self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
 
     def _insert(self, s: Session, num_tokens: int) -> None:
         """Offer the session's state at `num_tokens` (a boundary or the full prompt) to the cache."""
@@ -199,7 +201,7 @@ class EngineCore:
             reason = FinishReason.LENGTH
         if reason is None:
             self._pending[s.request.request_id] = token
-            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,)))
+            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage()))
         else:
             self._finish(s, reason, text, (token,))
 

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.models.arch import ArchConfig
-from prefixserve.models.layers import apply_rope, block_attention, inv_linear, rms_norm, rope_tables
+from prefixserve.models.layers import (
+    apply_rope,
+    batched_decode_attention,
+    block_attention,
+    inv_linear,
+    rms_norm,
+    rope_tables,
+)
 
 
 @dataclass(slots=True)
@@ -111,13 +118,30 @@ class Decoder:
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]
     ) -> torch.Tensor:
-        outs = []
+        """Write new K/V, then attend: all single-token segments together, longer ones one by one.
+
+        Both paths give a row the same bits (see layers.py), so which path a token takes never matters."""
+        outs: list[torch.Tensor | None] = [None] * len(segments)
+        singles: list[int] = []
+        rows: list[tuple[int, int]] = []
         offset = 0
-        for s in segments:
+        for i, s in enumerate(segments):
             end = offset + s.num_new
             kv = s.kv[layer]  # [2, kv_heads, capacity, head_dim]
-            kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
-            kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
-            outs.append(block_attention(q[offset:end], kv[0], kv[1], s.start, self.min_rows))
+            kv[0, :, s.start : end - offset + s.start] = k[offset:end].transpose(0, 1)
+            kv[1, :, s.start : end - offset + s.start] = v[offset:end].transpose(0, 1)
+            rows.append((offset, end))
+            if s.num_new == 1:
+                singles.append(i)
+            else:
+                outs[i] = block_attention(q[offset:end], kv[0], kv[1], s.start, self.min_rows)
             offset = end
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if singles:
+            idx = torch.tensor([rows[i][0] for i in singles])
+            dec = batched_decode_attention(
+                q[idx], [segments[i].kv[layer, 0] for i in singles], [segments[i].kv[layer, 1] for i in singles],
+                [segments[i].start for i in singles], self.min_rows,
+            )
+            for j, i in enumerate(singles):
+                outs[i] = dec[j : j + 1]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # type: ignore[arg-type]

@@ -50,7 +50,8 @@ def block_attention(
 ) -> torch.Tensor:
     """Causal attention of `n` new query rows at absolute positions [start, start + n).
 
-    q: [n, num_heads, head_dim] (unscaled).
+    q: [n, num_heads, head_dim] (unscaled). Computed in fp32 whatever the model dtype (bf16
+    reductions and masked fills are slow on CPUs and lose precision); the result is in q's dtype.
     k_cache, v_cache: [num_kv_heads, capacity, head_dim]; keys [0, start + n) valid, the rest ZERO
     (finite), capacity a multiple of BLOCK and >= the block-rounded key length.
     Returns [n, num_heads * head_dim].
@@ -66,14 +67,15 @@ def block_attention(
     key_len = start + n
     num_blocks = (key_len + BLOCK - 1) // BLOCK
     # q rows grouped by kv head: [kv_heads, rep * n, head_dim], row r = (head-in-group, token)
-    qg = (q * head_dim**-0.5).view(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)
+    out_dtype = q.dtype
+    qg = (q.float() * head_dim**-0.5).view(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(num_kv_heads, rep * n, head_dim)
     num_rows = rep * n
     if num_rows < min_rows:
         qg = torch.cat([qg, qg.new_zeros(num_kv_heads, min_rows - num_rows, head_dim)], dim=1)
     padded_rows = qg.shape[1]
-    kb = k_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
-    vb = v_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
+    kb = k_cache[:, : num_blocks * BLOCK].float().view(num_kv_heads, num_blocks, BLOCK, head_dim)
+    vb = v_cache[:, : num_blocks * BLOCK].float().view(num_kv_heads, num_blocks, BLOCK, head_dim)
     scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2))  # [kv_heads, num_blocks, padded_rows, BLOCK]
     # only blocks at or after the first new position can hold keys in a row's future
     first = start // BLOCK
@@ -89,7 +91,7 @@ def block_attention(
     out = fixed_tree_sum(torch.matmul(e, vb))  # [kv_heads, padded_rows, head_dim]
     out = out / den.unsqueeze(-1)
     out = out[:, :num_rows].view(num_kv_heads, rep, n, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(n, num_heads * head_dim)
+    return out.reshape(n, num_heads * head_dim).to(out_dtype)
 
 
 def fixed_tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -104,3 +106,45 @@ def fixed_tree_sum(x: torch.Tensor) -> torch.Tensor:
             x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
         x = x[:, 0::2] + x[:, 1::2]
     return x[:, 0]
+
+
+def batched_decode_attention(
+    q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], starts: list[int], min_rows: int
+) -> torch.Tensor:
+    """Attention of one new query row for each of S sessions, in one set of ops.
+
+    q: [S, num_heads, head_dim]; k_caches[i], v_caches[i]: [num_kv_heads, capacity_i, head_dim] with
+    keys [0, starts[i] + 1) valid and zeros after. Returns [S, num_heads * head_dim].
+
+    Sessions are padded with zero blocks to the longest one; padded keys lie in every row's
+    future, so they are masked, and `fixed_tree_sum` ignores the zero blocks. Each row therefore
+    gets exactly the bits `block_attention` would give it alone.
+    """
+    num_sessions, num_heads, head_dim = q.shape
+    num_kv_heads = k_caches[0].shape[0]
+    rep = num_heads // num_kv_heads
+    num_blocks = max((s + 1 + BLOCK - 1) // BLOCK for s in starts)
+    keys = num_blocks * BLOCK
+    kb = q.new_zeros(num_sessions, num_kv_heads, keys, head_dim, dtype=torch.float32)
+    vb = q.new_zeros(num_sessions, num_kv_heads, keys, head_dim, dtype=torch.float32)
+    for i, (k, v, s) in enumerate(zip(k_caches, v_caches, starts)):
+        own = (s + 1 + BLOCK - 1) // BLOCK * BLOCK
+        kb[i, :, :own] = k[:, :own]
+        vb[i, :, :own] = v[:, :own]
+    kb = kb.view(num_sessions, num_kv_heads, num_blocks, BLOCK, head_dim)
+    vb = vb.view(num_sessions, num_kv_heads, num_blocks, BLOCK, head_dim)
+    qg = (q.float() * head_dim**-0.5).view(num_sessions, num_kv_heads, rep, head_dim)
+    rows = max(rep, min_rows)
+    if rows > rep:
+        qg = torch.cat([qg, qg.new_zeros(num_sessions, num_kv_heads, rows - rep, head_dim)], dim=2)
+    scores = torch.matmul(qg.unsqueeze(2), kb.transpose(-1, -2))  # [S, kv_heads, num_blocks, rows, BLOCK]
+    q_pos = torch.tensor(starts).view(num_sessions, 1, 1, 1, 1)
+    k_pos = torch.arange(keys).view(1, 1, num_blocks, 1, BLOCK)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)
+    e = torch.exp(scores - row_max)
+    flat = num_sessions * num_kv_heads
+    den = fixed_tree_sum(e.sum(dim=-1).view(flat, num_blocks, rows))  # [S * kv_heads, rows]
+    out = fixed_tree_sum(torch.matmul(e, vb).view(flat, num_blocks, rows, head_dim))
+    out = (out / den.unsqueeze(-1)).view(num_sessions, num_kv_heads, rows, head_dim)[:, :, :rep]
+    return out.reshape(num_sessions, num_heads * head_dim).to(q.dtype)

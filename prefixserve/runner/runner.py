@@ -48,7 +48,7 @@ class ModelRunner:
             it.state.reserve(it.state.num_tokens + len(it.token_ids))
             segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits))
         ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.decoder.device)
-        logits = self.decoder.forward(ids, segments)
+        logits = self.decoder.forward(ids, segments).clone()  # a normal tensor, not an inference tensor
         row = 0
         for it in items:
             it.state.num_tokens += len(it.token_ids)

@@ -1,0 +1,15 @@
+"""`python -m prefixserve.server [flags]`: the same as `prefixserve serve [flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prefixserve.server.run import add_serve_args, run_serve
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        prog="python -m prefixserve.server", description="OpenAI-compatible server"
+    )
+    add_serve_args(parser)
+    sys.exit(run_serve(parser.parse_args()))

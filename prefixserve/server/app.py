@@ -1,0 +1,171 @@
+"""The FastAPI application: routes, auth, lifespan.
+
+`create_app(engine, server_config, ledger=None)` takes ownership of the engine and the ledger: at
+shutdown (after uvicorn has drained in-flight connections) it calls ``engine.shutdown(drain=True)``
+and ``ledger.close()``. No module-level state: everything lives in the closure of one app.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from prefixserve.config import ServerConfig
+from prefixserve.engine.protocol import EngineClient
+from prefixserve.server.auth import KeyStore
+from prefixserve.server.chat import prepare_chat
+from prefixserve.server.completions import prepare_completion
+from prefixserve.server.errors import APIError, bad_request, install_error_handlers
+from prefixserve.server.generation import respond
+from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from prefixserve.server.middleware import RequestCounter
+from prefixserve.server.responses import Prepared
+from prefixserve.server.schemas import MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, parse_body
+from prefixserve.server.tracking import RequestTracker
+
+logger = logging.getLogger("prefixserve.server")
+
+
+def create_app(
+    engine: EngineClient,
+    server_config: ServerConfig,
+    ledger: Any | None = None,
+    *,
+    keys: KeyStore | None = None,
+) -> FastAPI:
+    """An app serving `engine`. `keys` defaults to the key specs in `server_config.api_keys`
+    ('KEY' or 'TENANT KEY') plus its admin key. `ledger` (a prefixserve.ledger.Ledger) gets one
+    record per finished or aborted generation request; None disables usage recording and /v1/usage."""
+    keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
+    metrics = ServerMetrics(engine)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if keys.is_open:
+            logger.warning("no API keys configured: the server is OPEN, every caller is one tenant")
+        else:
+            logger.info("serving %d tenant(s)", keys.num_tenants)
+        start = getattr(engine, "start", None)
+        if start is not None:
+            result = start()
+            if inspect.isawaitable(result):
+                await result
+        try:
+            yield
+        finally:
+            logger.info("draining the engine")
+            await engine.shutdown(drain=True)
+            if ledger is not None:
+                await run_in_threadpool(ledger.close)
+            logger.info("shut down")
+
+    app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        h = engine.health()
+        body = {
+            "status": "ok" if h.ok else "unhealthy",
+            "ok": h.ok,
+            "exact_reuse": h.exact_reuse,
+            "detail": h.detail,
+            "running": h.num_running,
+            "waiting": h.num_waiting,
+            "model": engine.model_id,
+        }
+        return JSONResponse(body, status_code=200 if h.ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        keys.identify(request.headers.get("authorization"))
+        return {"object": "list", "data": [_model_card(engine, started)]}
+
+    @app.get("/v1/models/{model_name:path}")
+    async def get_model(model_name: str, request: Request) -> dict[str, Any]:
+        keys.identify(request.headers.get("authorization"))
+        if model_name != engine.model_id:
+            raise APIError(
+                404, f"The model '{model_name}' does not exist", param="model", code="model_not_found"
+            )
+        return _model_card(engine, started)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        tenant_id = keys.tenant_for_generation(request.headers.get("authorization"))
+        body = parse_body(await read_body(request), CompletionRequest)
+        return await _generate(request, prepare_completion(body, engine, tenant_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant_id = keys.tenant_for_generation(request.headers.get("authorization"))
+        body = parse_body(await read_body(request), ChatCompletionRequest)
+        return await _generate(request, prepare_chat(body, engine, tenant_id))
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> Any:
+        principal = keys.identify(request.headers.get("authorization"))
+        if ledger is None:
+            raise APIError(404, "the usage ledger is disabled on this server", code="ledger_disabled")
+        from prefixserve.ledger import UsageQueryError
+        from prefixserve.ledger.api import usage_payload
+
+        try:  # Starlette's QueryParams: repeated parameters reach the ledger through getlist
+            return await run_in_threadpool(
+                usage_payload, ledger, request.query_params, principal.tenant_id or "", principal.is_admin
+            )
+        except UsageQueryError as e:
+            raise bad_request(e.message, e.param) from None
+
+    async def _generate(request: Request, prepared: Prepared) -> Response:
+        tracker = RequestTracker(
+            metrics,
+            ledger,
+            request_id=prepared.request.request_id,
+            tenant_id=prepared.tenant_id,
+            model=engine.model_id,
+            prompt_len=len(prepared.request.prompt_ids),
+        )
+        return await respond(engine, prepared, request, tracker)
+
+    app.state.metrics = metrics  # for tests and embedding; nothing in the app reads it back
+    return app
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refusing more than MAX_BODY_BYTES (413) without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _model_card(engine: EngineClient, created: int) -> dict[str, Any]:
+    return {
+        "id": engine.model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "prefixserve",
+        "max_model_len": engine.max_model_len,
+    }

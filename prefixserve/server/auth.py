@@ -1,0 +1,164 @@
+"""API keys -> tenants.
+
+Every configured key is its own tenant. A key spec is either ``KEY`` (tenant id = ``key-`` + the first
+12 hex digits of the key's sha256, so the id never is the key) or ``TENANT KEY`` (a named tenant; two
+keys may share a name, e.g. during rotation). Keys are held only as sha256 digests and every presented
+key is compared against all of them with `hmac.compare_digest`, without an early exit.
+
+With no keys the server is open: every caller is the tenant ``OPEN_TENANT_ID``. The admin key (for
+the usage API) is recognised separately; it is a tenant for generation only if it is also listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefixserve.server.errors import APIError
+
+OPEN_TENANT_ID = "default"
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling. tenant_id is None for a caller that is only the admin."""
+
+    tenant_id: str | None
+    is_admin: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyEntry:
+    digest: bytes
+    tenant_id: str
+
+
+class KeyStore:
+    """Hashed API keys. Immutable after construction; safe to share between requests."""
+
+    def __init__(self, entries: Iterable[tuple[str, str]] = (), admin_key: str | None = None) -> None:
+        """entries: (tenant_id, key) pairs. Raises ValueError on an empty or duplicated key."""
+        seen: set[bytes] = set()
+        keys: list[_KeyEntry] = []
+        for tenant_id, key in entries:
+            if not key:
+                raise ValueError("an API key must not be empty")
+            digest = _digest(key)
+            if digest in seen:
+                raise ValueError(f"API key for tenant {tenant_id!r} is listed twice")
+            seen.add(digest)
+            keys.append(_KeyEntry(digest, tenant_id))
+        if any(_digest(k.tenant_id) in seen for k in keys):
+            raise ValueError("a tenant name must not be an API key (tenant ids are logged and stored)")
+        if admin_key is not None and not admin_key:
+            raise ValueError("the admin key must not be empty")
+        self._keys = tuple(keys)
+        self._admin_digest = _digest(admin_key) if admin_key else None
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[str], admin_key: str | None = None) -> KeyStore:
+        return cls((parse_key_spec(s) for s in specs), admin_key)
+
+    @property
+    def is_open(self) -> bool:
+        """No keys configured: anyone may generate, as the single open tenant."""
+        return not self._keys
+
+    @property
+    def num_tenants(self) -> int:
+        return len({k.tenant_id for k in self._keys}) or 1
+
+    @property
+    def has_admin(self) -> bool:
+        return self._admin_digest is not None
+
+    def identify(self, authorization: str | None) -> Principal:
+        """Map an Authorization header to a Principal. Raises APIError(401) when keys are configured and
+        the header carries none of them (nor the admin key). In open mode every caller is the open
+        tenant, and is also admin if it presents the admin key."""
+        key = bearer_token(authorization)
+        tenant_id: str | None = None
+        is_admin = False
+        if key is not None:
+            digest = _digest(key)
+            for entry in self._keys:  # all of them, always: no timing hint about which key matched
+                if hmac.compare_digest(entry.digest, digest):
+                    tenant_id = entry.tenant_id
+            if self._admin_digest is not None:
+                is_admin = hmac.compare_digest(self._admin_digest, digest)
+        if self.is_open:
+            return Principal(OPEN_TENANT_ID, is_admin)
+        if tenant_id is None and not is_admin:
+            raise unauthorized(key is None)
+        return Principal(tenant_id, is_admin)
+
+    def tenant_for_generation(self, authorization: str | None) -> str:
+        """The tenant a generation request runs as; 401 without a valid key, 403 for the bare admin key."""
+        principal = self.identify(authorization)
+        if principal.tenant_id is None:
+            raise APIError(
+                403, "the admin key may only be used for the usage API", code="admin_key_not_a_tenant"
+            )
+        return principal.tenant_id
+
+
+def parse_key_spec(spec: str) -> tuple[str, str]:
+    """'KEY' -> (key-<sha256[:12]>, KEY); 'TENANT KEY' -> (TENANT, KEY). Raises ValueError."""
+    parts = spec.split()
+    if len(parts) == 1:
+        return key_tenant_id(parts[0]), parts[0]
+    if len(parts) == 2:
+        tenant_id, key = parts
+        if not _TENANT_RE.match(tenant_id):
+            raise ValueError(f"invalid tenant name {tenant_id!r} (use 1-64 of A-Z a-z 0-9 _ . : @ -)")
+        return tenant_id, key
+    raise ValueError("an API key spec is 'KEY' or 'TENANT KEY'")
+
+
+def read_keys_file(path: str | Path) -> list[str]:
+    """Key specs from a file: one per line, '#' starts a comment, blank lines are skipped."""
+    specs: list[str] = []
+    for lineno, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            parse_key_spec(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from None
+        specs.append(line)
+    return specs
+
+
+def key_tenant_id(key: str) -> str:
+    """The tenant id of an unnamed key: derived from, but never revealing, the key."""
+    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """'Bearer KEY' -> KEY (scheme case-insensitive); anything else -> None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+def unauthorized(missing: bool) -> APIError:
+    message = (
+        "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+        if missing
+        else "Incorrect API key provided."
+    )
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()

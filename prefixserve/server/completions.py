@@ -1,0 +1,77 @@
+"""POST /v1/completions: body -> prompt token ids, SamplingParams and Namespace.
+
+The prompt is a string, a list of token ids, or a one-element list of either; several prompts in one
+request are refused (400) rather than half-supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixserve.engine.protocol import EngineClient
+from prefixserve.server import params
+from prefixserve.server.errors import bad_request
+from prefixserve.server.responses import CompletionShape, Prepared, new_id
+from prefixserve.server.schemas import CompletionRequest
+from prefixserve.types import Request
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id: str) -> Prepared:
+    """Validate a completions body for `tenant_id`. Raises APIError(400) naming the first bad field."""
+    model = params.check_model(body.model, engine.model_id)
+    salt = params.check_salt(body.cache_salt)
+    params.check_unsupported(body)
+    if body.echo:
+        raise bad_request("echo is not supported", "echo")
+    if body.logprobs is not None:
+        raise bad_request("logprobs is not supported", "logprobs")
+    if body.best_of is not None and body.best_of != 1:
+        raise bad_request("best_of must be 1", "best_of")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    prompt_ids = prompt_token_ids(body.prompt, engine)
+    check_fits(len(prompt_ids), engine.max_model_len)
+    sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len)
+    request_id = new_id("cmpl")
+    request = Request(
+        request_id=request_id,
+        namespace=params.namespace(engine.model_id, tenant_id, salt),
+        prompt_ids=tuple(prompt_ids),
+        sampling=sampling,
+    )
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    shape = CompletionShape(id=request_id, model=model, include_usage=include_usage)
+    return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id)
+
+
+def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
+    """str | list[int] | [str] | [list[int]] -> token ids (non-empty)."""
+    if prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_request("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        ids = engine.tokenizer.encode(params.check_text(prompt, "prompt"))
+        if not ids:
+            raise bad_request("prompt encodes to no tokens", "prompt")
+        return list(ids)
+    if isinstance(prompt, list):
+        return params.check_token_ids(prompt, params.vocab_size(engine), "prompt")
+    raise bad_request("prompt must be a string or a list of integer token ids", "prompt")
+
+
+def check_fits(prompt_len: int, max_model_len: int) -> None:
+    """The prompt plus at least one generated token must fit the context (the engine checks it too)."""
+    if prompt_len + 1 > max_model_len:
+        raise bad_request(
+            f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens "
+            "including at least one generated token",
+            "prompt",
+            "context_length_exceeded",
+        )

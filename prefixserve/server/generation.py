@@ -1,0 +1,107 @@
+"""Run one prepared request on the engine and answer it, streaming or not, watching for the client
+going away.
+
+Until the response starts, a watcher task waits for ``http.disconnect``; if it comes first, the engine
+work is cancelled and its iterator closed, which aborts the request. Streaming hands the iterator to
+`SSEResponse` after the first delta, so engine errors raised before any output (PromptTooLong) are
+still proper HTTP errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from prefixserve.engine.protocol import EngineClient
+from prefixserve.server.errors import APIError
+from prefixserve.server.responses import Prepared
+from prefixserve.server.streaming import SSE_HEADERS, SSEResponse, aclose_shielded, next_delta, sse_events
+from prefixserve.server.tracking import RequestTracker
+from prefixserve.types import Delta, FinishReason
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody is there to read it
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+async def respond(
+    engine: EngineClient, prepared: Prepared, http_request: HTTPRequest, tracker: RequestTracker
+) -> Response:
+    """Serve `prepared`. Raises what the engine raises before its first delta (PromptTooLong -> 400
+    via the app's handlers); answers 500 in OpenAI's shape if the engine fails the request."""
+    engine_iter = engine.generate(prepared.request)
+    handed_off = False
+    try:
+        if prepared.stream:
+            first = await until_disconnect(http_request, next_delta(engine_iter))
+            if first is None:
+                raise _engine_failed(tracker, None)
+            handed_off = True
+            return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker), headers=SSE_HEADERS)
+        text, delta = await until_disconnect(http_request, _collect(engine_iter, tracker))
+        reason = FinishReason(delta.finish_reason).value
+        usage = tracker.finish(reason, delta.usage)
+        return JSONResponse(prepared.shape.full(text, reason, usage))
+    except ClientGone:
+        tracker.finish(FinishReason.ABORT.value)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if not handed_off:
+            await aclose_shielded(engine_iter)
+            if not tracker.finished:
+                tracker.discard()  # the engine raised before serving it
+
+
+async def until_disconnect(http_request: HTTPRequest, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first (then cancel it and raise ClientGone).
+    The request body must already have been read."""
+    task: asyncio.Future[T] = asyncio.ensure_future(work)
+    watcher: asyncio.Future[None] = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        pending: set[asyncio.Future[Any]] = {task, watcher}
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        # Let the cancelled engine work unwind (its generator's cleanup aborts the request).
+        await asyncio.shield(asyncio.gather(task, watcher, return_exceptions=True))
+
+
+async def _wait_disconnect(http_request: HTTPRequest) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(engine_iter: AsyncIterator[Delta], tracker: RequestTracker) -> tuple[str, Delta]:
+    """All text up to the final delta, and that delta. Raises APIError(500) if the engine failed."""
+    parts: list[str] = []
+    while True:
+        delta = await next_delta(engine_iter)
+        if delta is None:
+            raise _engine_failed(tracker, None)
+        tracker.on_delta(delta)
+        parts.append(delta.text)
+        if delta.finish_reason is not None:
+            if delta.finish_reason is FinishReason.ERROR or delta.error:
+                raise _engine_failed(tracker, delta)
+            return "".join(parts), delta
+
+
+def _engine_failed(tracker: RequestTracker, delta: Delta | None) -> APIError:
+    tracker.finish(FinishReason.ERROR.value, delta.usage if delta is not None else None)
+    detail = (
+        delta.error if delta is not None else None
+    ) or "the engine ended the request without finishing it"
+    return APIError(500, f"the engine failed this request: {detail}", type="server_error")

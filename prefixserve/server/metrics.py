@@ -1,0 +1,164 @@
+"""Prometheus metrics on the app's own CollectorRegistry (never the process-global one).
+
+No label carries anything a tenant sent or holds: endpoints are a fixed set of route names, status is a
+class ("2xx"), and cache figures are the engine's aggregates, read at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefixserve.engine.protocol import EngineClient
+from prefixserve.types import Usage
+
+logger = logging.getLogger("prefixserve.server")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/usage", "/health", "/metrics")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# engine.metrics() keys exported under stable names (first key present wins).
+_CACHE_GAUGES = {
+    "prefixserve_cache_bytes": ("Bytes held by prefix cache entries", ("cache_bytes",)),
+    "prefixserve_cache_entries": ("Prefix cache entries", ("cache_entries",)),
+    "prefixserve_cache_evictions": (
+        "Prefix cache entries evicted since start",
+        ("evictions", "cache_evictions"),
+    ),
+    "prefixserve_cache_hit_ratio": ("Prefix cache lookups that hit", ("hit_ratio", "cache_hit_ratio")),
+}
+
+
+class ServerMetrics:
+    """All of the server's metrics. Safe to call from the event loop; `render` reads the engine."""
+
+    def __init__(self, engine: EngineClient | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "prefixserve_http_requests",
+            "HTTP requests by endpoint and status class",
+            ["endpoint", "status_class"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "prefixserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "prefixserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.completion_tokens = Counter("prefixserve_completion_tokens", "Generated tokens", registry=r)
+        self.finished = Counter(
+            "prefixserve_requests_finished",
+            "Generation requests by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "prefixserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "prefixserve_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "prefixserve_requests_in_flight", "Generation requests being served", registry=r
+        )
+        self._num_prompt_tokens = 0
+        self._num_cached_tokens = 0
+        if engine is not None:
+            r.register(_EngineCollector(engine, self))
+
+    def observe_finished(self, usage: Usage, finish_reason: str) -> None:
+        """Count one finished (or aborted) request's worker-truth usage."""
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_tokens.inc(usage.cached_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+        self.finished.labels(finish_reason).inc()
+        self._num_prompt_tokens += usage.prompt_tokens
+        self._num_cached_tokens += usage.cached_tokens
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def token_hit_ratio(self) -> float:
+        n = self._num_prompt_tokens
+        return self._num_cached_tokens / n if n else 0.0
+
+
+def endpoint_label(path: str) -> str:
+    """A fixed label per route: an unknown path never becomes a label value."""
+    return path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+
+
+class _EngineCollector(Collector):
+    """Reads engine.metrics() and engine.health() at scrape time."""
+
+    def __init__(self, engine: EngineClient, server: ServerMetrics) -> None:
+        self._engine = engine
+        self._server = server
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: the engine decides its keys
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            values = dict(self._engine.metrics())
+        except Exception:
+            logger.exception("engine.metrics() failed")
+            values = {}
+        for name, (doc, keys) in _CACHE_GAUGES.items():
+            value = next((values[k] for k in keys if k in values), None)
+            if value is None and name == "prefixserve_cache_hit_ratio":
+                value = _ratio(values)
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=float(value))
+        yield GaugeMetricFamily(
+            "prefixserve_cache_token_hit_ratio",
+            "Cached prompt tokens / prompt tokens over finished requests",
+            value=self._server.token_hit_ratio(),
+        )
+        for key in sorted(values):
+            try:
+                value = float(values[key])
+            except (TypeError, ValueError):
+                continue
+            yield GaugeMetricFamily(
+                f"prefixserve_engine_{_metric_name(key)}", f"engine.metrics()[{key!r}]", value=value
+            )
+        try:
+            health = self._engine.health()
+        except Exception:
+            logger.exception("engine.health() failed")
+            return
+        yield GaugeMetricFamily(
+            "prefixserve_num_requests_running", "Sessions running in the engine", value=health.num_running
+        )
+        yield GaugeMetricFamily(
+            "prefixserve_num_requests_waiting", "Requests waiting in the engine", value=health.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "prefixserve_exact_reuse",
+            "1 if the start-up self-test allows cross-request reuse",
+            value=float(health.exact_reuse),
+        )
+
+
+def _ratio(values: dict[str, float]) -> float | None:
+    for hits_key, misses_key in (("cache_hits", "cache_misses"), ("hits", "misses")):
+        if hits_key in values and misses_key in values:
+            total = float(values[hits_key]) + float(values[misses_key])
+            return float(values[hits_key]) / total if total else 0.0
+    return None
+
+
+def _metric_name(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_") or "unnamed"

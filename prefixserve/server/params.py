@@ -1,0 +1,148 @@
+"""Checks shared by both generation endpoints: model, salt, sampling fields, unsupported options.
+
+Each function either returns a clean value or raises APIError(400) naming the parameter. Nothing here
+touches the engine beyond reading `model_id`, `max_model_len` and the tokenizer's vocabulary size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixserve.server.errors import bad_request
+from prefixserve.server.schemas import SamplingFields
+from prefixserve.types import Namespace, SamplingParams
+
+MAX_SALT_CHARS = 256
+MAX_STOP_SEQUENCES = 16
+MAX_TEMPERATURE = 2.0
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def check_model(requested: str | None, model_id: str) -> str:
+    """The model name to echo in responses; 400 for any model this server does not serve."""
+    if requested is None or requested == model_id:
+        return model_id
+    raise bad_request(
+        f"The model '{requested}' does not exist; this server serves '{model_id}'", "model", "model_not_found"
+    )
+
+
+def check_salt(value: Any) -> str:
+    """cache_salt -> the namespace's salt ('' when absent). Only the caller's own tenant is salted."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise bad_request("cache_salt must be a string", "cache_salt")
+    if not value:
+        raise bad_request("cache_salt must not be empty (omit it instead)", "cache_salt")
+    if len(value) > MAX_SALT_CHARS:
+        raise bad_request(f"cache_salt must be at most {MAX_SALT_CHARS} characters", "cache_salt")
+    check_text(value, "cache_salt")
+    return value
+
+
+def namespace(model_id: str, tenant_id: str, salt: str) -> Namespace:
+    """The only place a Namespace is built: tenant from the key, never from the body."""
+    return Namespace(model_id=model_id, tenant_id=tenant_id, cache_salt=salt)
+
+
+def check_unsupported(body: SamplingFields) -> None:
+    """Refuse, by name, options we accept only at their neutral value."""
+    if body.n is not None and body.n != 1:
+        raise bad_request("n must be 1 (several choices per request are not supported)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None and value != 0:
+            raise bad_request(f"{name} is not supported (only 0)", name)
+    if body.repetition_penalty is not None and body.repetition_penalty != 1:
+        raise bad_request("repetition_penalty is not supported (only 1)", "repetition_penalty")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int
+) -> SamplingParams:
+    """The engine's SamplingParams. max_tokens > max_model_len is refused; a request whose prompt plus
+    max_tokens overflows the context is accepted and finishes with 'length' when the context fills."""
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif max_tokens < 1:
+        raise bad_request("max_tokens must be at least 1", "max_tokens")
+    elif max_tokens > max_model_len:
+        raise bad_request(
+            f"max_tokens ({max_tokens}) exceeds the model's context length ({max_model_len})", "max_tokens"
+        )
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be between 0 and {MAX_TEMPERATURE:g}", "temperature")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request("top_p must be in (0, 1]", "top_p")
+    top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k
+    if top_k < 0:
+        raise bad_request("top_k must be -1, 0 (off) or a positive integer", "top_k")
+    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
+        raise bad_request("seed is out of range (a 64-bit integer)", "seed")
+    stop_token_ids = tuple(body.stop_token_ids or ())
+    if any(t < 0 for t in stop_token_ids):
+        raise bad_request("stop_token_ids must be non-negative", "stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=body.seed,
+        stop=check_stop(body.stop),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def check_stop(value: Any) -> tuple[str, ...]:
+    """stop: absent, a string, or a list of up to 16 non-empty strings."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"stop allows at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    if any(not s for s in items):
+        raise bad_request("stop sequences must not be empty", "stop")
+    for s in items:
+        check_text(s, "stop")
+    return tuple(dict.fromkeys(items))
+
+
+def check_token_ids(ids: list[Any], vocab_size: int | None, param: str) -> list[int]:
+    """A list of token ids: ints (not bools) in [0, vocab_size)."""
+    if not ids:
+        raise bad_request(f"{param} must not be empty", param)
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise bad_request(f"{param} must be a string or a list of integer token ids", param)
+        if i < 0 or (vocab_size is not None and i >= vocab_size):
+            raise bad_request(f"token id {i} is outside the vocabulary", param)
+    return list(ids)
+
+
+def check_text(text: str, param: str) -> str:
+    """Strings must be encodable (no lone surrogates) before they reach the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{param} contains invalid unicode", param) from None
+    return text
+
+
+def vocab_size(engine: Any) -> int | None:
+    """The vocabulary size if the engine (or its tokenizer) tells us: an optional attribute beyond
+    EngineClient. Without it, out-of-range ids are left to the engine (InvalidRequest -> 400)."""
+    for owner in (engine, getattr(engine, "tokenizer", None)):
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None

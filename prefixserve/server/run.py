@@ -1,0 +1,236 @@
+"""`prefixserve serve`: flags (each with a PREFIXSERVE_* environment variable), start-up and shutdown.
+
+Precedence: a flag on the command line, else its environment variable, else the default. On SIGTERM
+(or Ctrl-C) uvicorn stops accepting connections and waits for in-flight responses, streams included;
+then the app's lifespan drains the engine and closes the ledger, and `run_serve` returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefixserve.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
+
+logger = logging.getLogger("prefixserve.server")
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2G', '2GiB', '0' -> bytes (binary units)."""
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(s[-1:], 1)
+    number = s[:-1] if s[-1:] in units else s
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("a byte size must be >= 0")
+    return value
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# dest -> (environment variable, parser, default)
+SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
+    "host": ("PREFIXSERVE_HOST", str, "127.0.0.1"),
+    "port": ("PREFIXSERVE_PORT", int, 8000),
+    "model": ("PREFIXSERVE_MODEL", str, None),
+    "served_model_name": ("PREFIXSERVE_SERVED_MODEL_NAME", str, None),
+    "api_keys_file": ("PREFIXSERVE_API_KEYS_FILE", str, None),
+    "admin_key": ("PREFIXSERVE_ADMIN_KEY", str, None),
+    "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
+    "max_model_len": ("PREFIXSERVE_MAX_MODEL_LEN", int, None),
+    "dtype": ("PREFIXSERVE_DTYPE", str, "auto"),
+    "device": ("PREFIXSERVE_DEVICE", str, "auto"),
+    "num_threads": ("PREFIXSERVE_NUM_THREADS", int, None),
+    "max_num_seqs": ("PREFIXSERVE_MAX_NUM_SEQS", int, EngineConfig().max_num_seqs),
+    "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
+    "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
+    "data_dir": ("PREFIXSERVE_DATA_DIR", str, "data"),
+    "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
+    "pricing": ("PREFIXSERVE_PRICING", str, None),
+    "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
+    "log_level": ("PREFIXSERVE_LOG_LEVEL", str, "info"),
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's flags. Defaults are None here and resolved in `run_serve`, so that an
+    environment variable applies exactly when its flag is absent."""
+    a = parser.add_argument
+    a("--host", help="bind address (PREFIXSERVE_HOST; default 127.0.0.1)")
+    a("--port", type=int, help="port (PREFIXSERVE_PORT; default 8000)")
+    a("--model", help="GGUF file or model directory (PREFIXSERVE_MODEL; default: the embedded SmolLM2-135M)")
+    a("--served-model-name", help="model id in the API (PREFIXSERVE_SERVED_MODEL_NAME)")
+    a(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="an API key, or 'TENANT KEY'; repeat for more tenants (PREFIXSERVE_API_KEYS, comma-separated)",
+    )
+    a(
+        "--api-keys-file",
+        metavar="FILE",
+        help="one 'KEY' or 'TENANT KEY' per line, '#' comments (PREFIXSERVE_API_KEYS_FILE)",
+    )
+    a("--admin-key", metavar="KEY", help="key for the usage API across tenants (PREFIXSERVE_ADMIN_KEY)")
+    a(
+        "--cache-max-bytes",
+        type=parse_bytes,
+        metavar="N",
+        help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)",
+    )
+    a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
+    a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
+    a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
+    a("--num-threads", type=int, metavar="N", help="torch threads (PREFIXSERVE_NUM_THREADS)")
+    a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
+    a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
+    a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
+    a("--data-dir", metavar="DIR", help="created at start (PREFIXSERVE_DATA_DIR; default data)")
+    a(
+        "--ledger-path",
+        metavar="PATH",
+        help="usage ledger (PREFIXSERVE_LEDGER_PATH; default <data-dir>/usage.sqlite3)",
+    )
+    a("--pricing", metavar="FILE", help="pricing TOML for the usage API (PREFIXSERVE_PRICING)")
+    a("--no-ledger", action="store_true", default=None, help="do not record usage (PREFIXSERVE_NO_LEDGER=1)")
+    a(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="(PREFIXSERVE_LOG_LEVEL; default info)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM / Ctrl-C, drain, return 0. Configuration errors return 2."""
+    env = os.environ
+    s = {dest: _resolve(args, dest, env) for dest in SETTINGS}
+    logging.basicConfig(
+        level=s["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        specs = list(getattr(args, "api_keys", None) or _split_env_keys(env.get("PREFIXSERVE_API_KEYS", "")))
+        if s["api_keys_file"]:
+            specs += read_keys_file(s["api_keys_file"])
+        for spec in specs:
+            parse_key_spec(spec)
+        model_config = ModelConfig(
+            path=s["model"],
+            served_model_name=s["served_model_name"],
+            dtype=s["dtype"],
+            device=s["device"],
+            max_model_len=s["max_model_len"],
+            num_threads=s["num_threads"],
+        )
+        cache_config = CacheConfig(max_bytes=s["cache_max_bytes"])
+        engine_config = EngineConfig(
+            prefill_chunk_tokens=s["prefill_chunk_tokens"],
+            max_batch_tokens=s["max_batch_tokens"],
+            max_num_seqs=s["max_num_seqs"],
+        )
+        data_dir = Path(s["data_dir"])
+        server_config = ServerConfig(
+            host=s["host"],
+            port=s["port"],
+            api_keys=tuple(specs),
+            admin_key=s["admin_key"] or None,
+            data_dir=str(data_dir),
+            ledger_path=s["ledger_path"] or str(data_dir / "usage.sqlite3"),
+            pricing_path=s["pricing"],
+        )
+        keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        ledger = None if s["no_ledger"] else open_ledger(server_config)
+    except (OSError, ValueError, argparse.ArgumentTypeError) as e:
+        print(f"prefixserve serve: {e}", file=sys.stderr)
+        return 2
+
+    signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
+    from prefixserve.engine import build_engine
+    from prefixserve.models import ModelLoadError
+
+    logger.info("loading the model ...")
+    try:
+        engine = build_engine(model_config, cache_config, engine_config)
+    except ModelLoadError as e:
+        logger.error("cannot load the model: %s", e)
+        _close(ledger)
+        return 1
+    except BaseException:
+        _close(ledger)
+        raise
+    from prefixserve.server.app import create_app
+
+    app = create_app(engine, server_config, ledger, keys=keys)  # owns engine and ledger from here
+    return serve_app(app, server_config.host, server_config.port, s["log_level"])
+
+
+def serve_app(app: Any, host: str, port: int, log_level: str = "info") -> int:
+    """Run uvicorn until SIGTERM / SIGINT, with graceful draining; 0 on a clean shutdown."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=5
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it shut down for once it is done; by then the work is drained, so
+    # make that a no-op instead of a death by SIGTERM (exit status 143).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    server.run()
+    return 0 if server.started else 1
+
+
+def open_ledger(server_config: ServerConfig) -> Any | None:
+    """The usage ledger, or None (with a warning) when prefixserve.ledger is not installed."""
+    try:
+        from prefixserve.ledger import Ledger, Pricing
+    except ImportError as e:
+        logger.warning("usage ledger unavailable (%s); usage will not be recorded", e)
+        return None
+    pricing = (
+        Pricing.from_toml(server_config.pricing_path) if server_config.pricing_path else Pricing.default()
+    )
+    assert server_config.ledger_path is not None
+    Path(server_config.ledger_path).parent.mkdir(parents=True, exist_ok=True)
+    return Ledger(server_config.ledger_path, pricing)
+
+
+def _resolve(args: argparse.Namespace, dest: str, env: os._Environ[str] | dict[str, str]) -> Any:
+    value = getattr(args, dest, None)
+    if value is not None:
+        return value
+    name, parse, default = SETTINGS[dest]
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise SystemExit(f"prefixserve serve: bad {name}={raw!r}: {e}") from None
+
+
+def _split_env_keys(raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+def _close(ledger: Any | None) -> None:
+    if ledger is not None:
+        ledger.close()
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

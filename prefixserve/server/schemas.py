@@ -1,0 +1,138 @@
+"""Request bodies of the OpenAI endpoints, as pydantic models, and `parse_body`.
+
+Types are checked strictly (``"5"`` is not an int, ``true`` is not a number); unknown fields are
+ignored as OpenAI-compatible servers do. Fields whose valid shapes are a union (``prompt``, ``stop``,
+``cache_salt``, message ``content``) are typed ``Any`` here and checked in `params` / `chat`, so that
+their errors name the field plainly. Fields we do not support are declared so that a non-default value
+can be refused by name instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from prefixserve.server.errors import bad_request, validation_error
+
+MAX_BODY_BYTES = 16 << 20
+
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+_PASS_THROUGH = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = _STRICT
+
+    model: str | None = None  # None = the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension; -1 or 0 = off
+    seed: int | None = None
+    stop: Any = None  # str | list[str]
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool | None = None  # extension
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: Any = None  # non-empty str of at most 256 characters
+    # Accepted only at their neutral value.
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any = None  # str | list[int] | [str] | [list[int]]
+    echo: bool | None = None
+    logprobs: Any = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = _PASS_THROUGH
+    name: str
+    arguments: Any = None  # a JSON string (OpenAI) or an object
+
+
+class ToolCall(BaseModel):
+    model_config = _PASS_THROUGH
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | list[{"type": "text", "text": str}] | None (assistant with tool_calls)
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = _PASS_THROUGH
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = _PASS_THROUGH
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none" | "auto" are supported
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    functions: Any = None  # the legacy API; refused
+    function_call: Any = None
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """Bytes of a request body -> a validated model. Raises APIError(400) for invalid UTF-8, malformed
+    JSON, a non-object body and type errors (the first, with its field as `param`)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise bad_request(f"the request body exceeds {MAX_BODY_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(
+            f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise validation_error(list(e.errors())) from None

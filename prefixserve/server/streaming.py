@@ -1,0 +1,106 @@
+"""Server-sent events for streaming responses, and closing the engine's iterator on every exit path.
+
+`SSEResponse` guarantees that its body iterator is closed however the response ends: normally, when
+Starlette cancels it because the client disconnected (ASGI < 2.4 servers listen for the disconnect),
+or when `send` fails (ASGI >= 2.4). `sse_events` closes the engine iterator in its own `finally`, so
+closing the body closes the engine request, which aborts it and frees its session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from prefixserve.server.errors import error_body
+from prefixserve.server.responses import Shape
+from prefixserve.server.tracking import RequestTracker
+from prefixserve.types import Delta, FinishReason
+
+logger = logging.getLogger("prefixserve.server")
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await aclose_shielded(self.body_iterator)
+
+
+async def sse_events(
+    shape: Shape, engine_iter: AsyncIterator[Delta], first: Delta, tracker: RequestTracker
+) -> AsyncIterator[str]:
+    """The SSE body: opening chunks, one chunk per delta with text, the finish chunk, the usage chunk
+    (when asked for), then ``data: [DONE]``. An engine failure becomes an OpenAI error event."""
+    try:
+        for obj in shape.opening():
+            yield sse(obj)
+        delta: Delta | None = first
+        while delta is not None:
+            tracker.on_delta(delta)
+            if delta.finish_reason is not None:
+                break
+            if delta.text:
+                for obj in shape.chunks(delta.text, None):
+                    yield sse(obj)
+            delta = await next_delta(engine_iter)
+        if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:
+            message = (
+                delta.error if delta is not None else None
+            ) or "the engine ended the request without finishing it"
+            tracker.finish(FinishReason.ERROR.value, delta.usage if delta is not None else None)
+            logger.error("request %s failed in the engine: %s", tracker.request_id, message)
+            yield sse(error_body(message, "server_error"))
+            yield DONE
+            return
+        reason = FinishReason(delta.finish_reason).value
+        usage = tracker.finish(reason, delta.usage)
+        for obj in shape.chunks(delta.text, reason):
+            yield sse(obj)
+        if shape.include_usage:
+            yield sse(shape.usage_chunk(usage))
+        yield DONE
+    except Exception as e:  # never a broken stream without a reason: report, then end it properly
+        logger.exception("streaming request %s failed", tracker.request_id)
+        tracker.finish(FinishReason.ERROR.value)
+        yield sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
+        yield DONE
+    finally:
+        await aclose_shielded(engine_iter)
+        tracker.finish(FinishReason.ABORT.value)  # no-op unless the stream was cut short
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def next_delta(it: AsyncIterator[Delta]) -> Delta | None:
+    """The next delta, or None when the iterator ends (an engine bug: the last delta must finish)."""
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def aclose_shielded(it: Any) -> None:
+    """Close an async iterator even inside a cancelled scope (a disconnect cancels the response task).
+    Closing an engine iterator aborts its request; closing twice is harmless."""
+    aclose = getattr(it, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await aclose()
+        except Exception:
+            logger.exception("closing an engine iterator failed")

@@ -1,0 +1,139 @@
+"""A model-free EngineClient for fast HTTP-layer tests.
+
+`FakeTokenizer` maps each UTF-8 byte b to token id b + 3 (ids 0..2 are special; 0 is EOS).
+`FakeEngine.generate` replays the prompt's own tokens, cycling, one token per delta (so the output of
+a prompt is predictable: "abc" -> "abcabc..."), and has a tiny exact-prefix cache per Namespace so
+cached_tokens behaves like the real one: 0 on first sight, then the longest common prefix with an
+earlier prompt of the same namespace (capped at len - 1). It records what happened to each request
+in `events[request_id]`: "started", then "finished" or "closed" (iterator closed early = aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from prefixserve.engine.protocol import EngineHealth, PromptTooLong, TemplateError
+from prefixserve.types import Delta, FinishReason, Namespace, Request, Usage
+
+OFFSET = 3
+
+
+class FakeTokenizer:
+    eos_token_ids = (0,)
+    vocab_size = 256 + OFFSET
+
+    def encode(self, text: str) -> list[int]:
+        return [b + OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", "replace")
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        text = ""
+        if tools:
+            text += "<tools>" + json.dumps(tools, sort_keys=True) + "</tools>\n"
+        for m in messages:
+            if "RAISE_TEMPLATE_ERROR" in m["content"]:
+                raise TemplateError("this template refuses the message")
+            text += f"<{m['role']}>{m['content']}"
+            if m.get("tool_calls"):
+                text += json.dumps(m["tool_calls"], sort_keys=True)
+            text += "\n"
+        if add_generation_prompt:
+            text += "<assistant>"
+        return self.encode(text)
+
+
+class FakeEngine:
+    """Implements prefixserve.engine.protocol.EngineClient. `token_delay` seconds between deltas."""
+
+    def __init__(
+        self, model_id: str = "fake-model", max_model_len: int = 512, token_delay: float = 0.0
+    ) -> None:
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.tokenizer = FakeTokenizer()
+        self.token_delay = token_delay
+        self.requests: list[Request] = []
+        self.events: dict[str, list[str]] = {}
+        self.shutdown_calls: list[bool] = []
+        self.fail_with: str | None = None  # set: every request's final delta is an ERROR with this text
+        self._cache: dict[Namespace, list[tuple[int, ...]]] = {}
+        self._running = 0
+        self._evictions = 0
+
+    async def generate(self, request: Request) -> AsyncIterator[Delta]:
+        ids = request.prompt_ids
+        if len(ids) + 1 > self.max_model_len:
+            raise PromptTooLong(f"prompt of {len(ids)} tokens does not fit {self.max_model_len}")
+        self.requests.append(request)
+        events = self.events.setdefault(request.request_id, [])
+        events.append("started")
+        cached = self._lookup(request.namespace, ids)
+        self._cache.setdefault(request.namespace, []).append(ids)
+        self._running += 1
+        finished = False
+        try:
+            budget = min(request.sampling.max_tokens, self.max_model_len - len(ids))
+            out = [ids[n % len(ids)] for n in range(budget)]
+            reason = FinishReason.LENGTH
+            full = self.tokenizer.decode(out)
+            cuts = [full.index(s) for s in request.sampling.stop if s in full]
+            if cuts:  # one byte per token for ASCII prompts: cut the tokens at the stop string
+                out, reason = out[: min(cuts)], FinishReason.STOP
+            for n, tok in enumerate(out, 1):
+                await asyncio.sleep(self.token_delay)
+                usage = Usage(prompt_tokens=len(ids), completion_tokens=n, cached_tokens=cached)
+                if self.fail_with is not None:
+                    finished = True
+                    yield Delta("", (), FinishReason.ERROR, usage, error=self.fail_with)
+                    return
+                piece = self.tokenizer.decode([tok])
+                if n == len(out):
+                    finished = True
+                    yield Delta(piece, (tok,), reason, usage)
+                    return
+                yield Delta(piece, (tok,))
+            finished = True
+            yield Delta(
+                "", (), reason, Usage(prompt_tokens=len(ids), completion_tokens=0, cached_tokens=cached)
+            )
+        finally:
+            self._running -= 1
+            events.append("finished" if finished else "closed")
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(True, True, "fake engine", self._running, 0)
+
+    def metrics(self) -> dict[str, float]:
+        entries = sum(len(v) for v in self._cache.values())
+        return {
+            "cache_bytes": float(entries * 100),
+            "cache_entries": float(entries),
+            "evictions": 0.0,
+            "cache_hits": 1.0,
+            "cache_misses": 3.0,
+            "weird-key.name": 7.0,
+        }
+
+    async def shutdown(self, drain: bool = True) -> None:
+        self.shutdown_calls.append(drain)
+
+    def _lookup(self, ns: Namespace, ids: tuple[int, ...]) -> int:
+        best = 0
+        for seen in self._cache.get(ns, []):
+            n = 0
+            for a, b in zip(seen, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(ids) - 1)

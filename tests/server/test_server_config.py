@@ -1,0 +1,107 @@
+"""Key specs, key files, tenant ids, and `serve` flag / environment resolution."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixserve.server import run
+from prefixserve.server.auth import OPEN_TENANT_ID, KeyStore, bearer_token, parse_key_spec, read_keys_file
+from prefixserve.server.errors import APIError
+
+
+def test_key_specs_and_tenant_ids() -> None:
+    tenant, key = parse_key_spec("sk-abc")
+    assert key == "sk-abc" and tenant == "key-" + hashlib.sha256(b"sk-abc").hexdigest()[:12]
+    assert "sk-abc" not in tenant
+    assert parse_key_spec("  alice   sk-1 ") == ("alice", "sk-1")
+    for bad in ("", "a b c", "bad/name sk"):
+        with pytest.raises(ValueError):
+            parse_key_spec(bad)
+
+
+def test_keys_file(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# tenants\n\nsk-one\nalice sk-two   # inline comment\n  \n")
+    assert read_keys_file(f) == ["sk-one", "alice sk-two"]
+    f.write_text("a b c\n")
+    with pytest.raises(ValueError, match=":1:"):
+        read_keys_file(f)
+
+
+def test_keystore() -> None:
+    ks = KeyStore.from_specs(["sk-1", "alice sk-2", "alice sk-3"], admin_key="adm")
+    assert ks.identify("Bearer sk-2").tenant_id == ks.identify("Bearer sk-3").tenant_id == "alice"
+    assert ks.identify("Bearer adm").tenant_id is None and ks.identify("Bearer adm").is_admin
+    assert not ks.identify("Bearer sk-1").is_admin
+    with pytest.raises(APIError) as e:
+        ks.identify("Bearer nope")
+    assert e.value.status_code == 401
+    with pytest.raises(APIError) as e:
+        ks.tenant_for_generation("Bearer adm")
+    assert e.value.status_code == 403
+    with pytest.raises(ValueError):
+        KeyStore.from_specs(["sk-1", "bob sk-1"])
+    with pytest.raises(ValueError, match="tenant name"):
+        KeyStore.from_specs(["sk-3 sk-2", "sk-3"])  # a tenant named like another tenant's key
+    with pytest.raises(ValueError, match="tenant name"):
+        KeyStore.from_specs(["sk-1 sk-1"])
+    both = KeyStore.from_specs(["boss adm"], admin_key="adm").identify("Bearer adm")
+    assert (both.tenant_id, both.is_admin) == ("boss", True)
+    open_ks = KeyStore.from_specs([], admin_key="adm")
+    assert open_ks.is_open and open_ks.identify(None).tenant_id == OPEN_TENANT_ID
+    assert open_ks.identify("Bearer adm").is_admin
+
+
+def test_bearer_token() -> None:
+    assert bearer_token("Bearer  k ") == "k"
+    assert bearer_token("bearer k") == "k"
+    assert bearer_token("Token k") is None and bearer_token("Bearer") is None and bearer_token(None) is None
+
+
+def test_parse_bytes() -> None:
+    assert run.parse_bytes("0") == 0
+    assert run.parse_bytes("1234") == 1234
+    assert run.parse_bytes("512M") == 512 << 20
+    assert run.parse_bytes("2GiB") == 2 << 30
+    assert run.parse_bytes("1.5k") == 1536
+    with pytest.raises(argparse.ArgumentTypeError):
+        run.parse_bytes("lots")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    run.add_serve_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_beat_environment_beat_defaults() -> None:
+    env: dict[str, Any] = {
+        "PREFIXSERVE_PORT": "9001",
+        "PREFIXSERVE_CACHE_MAX_BYTES": "1G",
+        "PREFIXSERVE_NO_LEDGER": "1",
+    }
+    args = _args("--port", "9100", "--dtype", "fp32", "--api-key", "alice sk-1", "--api-key", "sk-2")
+    assert run._resolve(args, "port", env) == 9100
+    assert run._resolve(args, "cache_max_bytes", env) == 1 << 30
+    assert run._resolve(args, "no_ledger", env) is True
+    assert run._resolve(args, "dtype", env) == "fp32"
+    assert run._resolve(args, "host", env) == "127.0.0.1"
+    assert run._resolve(args, "data_dir", env) == "data"
+    assert args.api_keys == ["alice sk-1", "sk-2"]
+    assert run._resolve(_args("--no-ledger"), "no_ledger", {}) is True
+    assert run._resolve(_args(), "no_ledger", {}) is False
+    assert run._split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
+    with pytest.raises(SystemExit):
+        run._resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
+
+
+def test_bad_configuration_exits_2_before_loading_a_model(tmp_path: Path, capsys: Any) -> None:
+    assert run.run_serve(_args("--api-keys-file", str(tmp_path / "missing"), "--no-ledger")) == 2
+    assert run.run_serve(_args("--api-key", "a b c", "--no-ledger")) == 2
+    assert run.run_serve(_args("--port", "0", "--no-ledger")) == 2
+    assert "prefixserve serve:" in capsys.readouterr().err

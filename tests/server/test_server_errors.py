@@ -1,0 +1,185 @@
+"""Every bad input gets an OpenAI-shaped 4xx naming the problem, and the server keeps serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prefixserve.engine.protocol import PromptTooLong
+from prefixserve.types import Request
+from tests.helpers.fake_engine import FakeEngine
+from tests.server.conftest import auth
+
+MSGS = [{"role": "user", "content": "hi"}]
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+# (endpoint, raw body or JSON object, expected status, expected param)
+BAD: list[tuple[str, Any, int, str | None]] = [
+    (C, b"{not json", 400, None),
+    (C, b'{"prompt": "\xff\xfe"}', 400, None),  # invalid UTF-8
+    (C, b"", 400, None),
+    (C, b"[1, 2]", 400, None),
+    (C, b'{"prompt": "a\\ud800"}', 400, None),  # lone surrogate
+    (C, {"max_tokens": 3}, 400, "prompt"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": []}, 400, "prompt"),
+    (C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (C, {"prompt": [[1, 2], [3]]}, 400, "prompt"),
+    (C, {"prompt": [1, "a"]}, 400, "prompt"),
+    (C, {"prompt": [1, True]}, 400, "prompt"),
+    (C, {"prompt": [-1]}, 400, "prompt"),
+    (C, {"prompt": [10**9]}, 400, "prompt"),
+    (C, {"prompt": 5}, 400, "prompt"),
+    (C, {"prompt": "x" * 600}, 400, "prompt"),  # longer than the context (512)
+    (C, {"prompt": "p", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "p", "max_tokens": -5}, 400, "max_tokens"),
+    (C, {"prompt": "p", "max_tokens": 10**12}, 400, "max_tokens"),
+    (C, {"prompt": "p", "max_tokens": "5"}, 400, "max_tokens"),
+    (C, {"prompt": "p", "max_tokens": 2.5}, 400, "max_tokens"),
+    (C, {"prompt": "p", "temperature": -0.1}, 400, "temperature"),
+    (C, {"prompt": "p", "temperature": 2.5}, 400, "temperature"),
+    (C, {"prompt": "p", "temperature": "hot"}, 400, "temperature"),
+    (C, b'{"prompt": "p", "temperature": NaN}', 400, "temperature"),
+    (C, {"prompt": "p", "top_p": 0}, 400, "top_p"),
+    (C, {"prompt": "p", "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": "p", "top_k": -2}, 400, "top_k"),
+    (C, {"prompt": "p", "seed": 2**70}, 400, "seed"),
+    (C, {"prompt": "p", "seed": "1"}, 400, "seed"),
+    (C, {"prompt": "p", "stop": 5}, 400, "stop"),
+    (C, {"prompt": "p", "stop": [""]}, 400, "stop"),
+    (C, {"prompt": "p", "stop": ["s"] * 17}, 400, "stop"),
+    (C, {"prompt": "p", "stream": "yes"}, 400, "stream"),
+    (C, {"prompt": "p", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (
+        C,
+        {"prompt": "p", "stream": True, "stream_options": {"include_usage": "y"}},
+        400,
+        "stream_options.include_usage",
+    ),
+    (C, {"prompt": "p", "n": 2}, 400, "n"),
+    (C, {"prompt": "p", "best_of": 3}, 400, "best_of"),
+    (C, {"prompt": "p", "logprobs": 2}, 400, "logprobs"),
+    (C, {"prompt": "p", "echo": True}, 400, "echo"),
+    (C, {"prompt": "p", "suffix": "end"}, 400, "suffix"),
+    (C, {"prompt": "p", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (C, {"prompt": "p", "frequency_penalty": -1}, 400, "frequency_penalty"),
+    (C, {"prompt": "p", "logit_bias": {"50": 10}}, 400, "logit_bias"),
+    (C, {"prompt": "p", "model": "gpt-4"}, 400, "model"),
+    (C, {"prompt": "p", "model": 7}, 400, "model"),
+    (C, {"prompt": "p", "cache_salt": ""}, 400, "cache_salt"),
+    (C, {"prompt": "p", "cache_salt": 123}, 400, "cache_salt"),
+    (C, {"prompt": "p", "cache_salt": "s" * 257}, 400, "cache_salt"),
+    (C, {"prompt": "p", "cache_salt": ["a"]}, 400, "cache_salt"),
+    (C, {"prompt": "p", "user": 12}, 400, "user"),
+    (CH, {}, 400, "messages"),
+    (CH, {"messages": []}, 400, "messages"),
+    (CH, {"messages": "hi"}, 400, "messages"),
+    (CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CH, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    (CH, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CH, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (
+        CH,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
+    (CH, {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0]"),
+    (CH, {"messages": [{"role": "tool", "content": "r"}]}, 400, "messages[0].tool_call_id"),
+    (
+        CH,
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+        400,
+        "messages[0].tool_calls",
+    ),
+    (CH, {"messages": [{"role": "user", "content": "RAISE_TEMPLATE_ERROR"}]}, 400, "messages"),
+    (CH, {"messages": MSGS, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
+    (CH, {"messages": MSGS, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0].function.name"),
+    (CH, {"messages": MSGS, "tools": "all"}, 400, "tools"),
+    (CH, {"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    (CH, {"messages": MSGS, "logprobs": True}, 400, "logprobs"),
+    (CH, {"messages": MSGS, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CH, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CH, {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions"),
+    (CH, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_tokens"),
+    (CH, {"messages": MSGS, "n": 3}, 400, "n"),
+    (CH, {"messages": MSGS, "cache_salt": ""}, 400, "cache_salt"),
+    (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "prompt"),
+]
+
+
+def _post(client: TestClient, path: str, body: Any) -> Any:
+    if isinstance(body, bytes):
+        return client.post(path, content=body, headers={**auth(), "Content-Type": "application/json"})
+    return client.post(path, json=body, headers=auth())
+
+
+def check_error(r: Any, status: int, param: str | None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_is_an_openai_4xx_then_good_request_works(
+    client: TestClient, engine: FakeEngine, path: str, body: Any, status: int, param: str | None
+) -> None:
+    check_error(_post(client, path, body), status, param)
+    assert engine.requests == []  # nothing reached the engine
+    good = {"prompt": "ok", "max_tokens": 2} if path == C else {"messages": MSGS, "max_tokens": 2}
+    r = client.post(path, json=good, headers=auth())
+    assert r.status_code == 200, r.text
+
+
+def test_a_streaming_bad_request_is_still_a_plain_400(client: TestClient) -> None:
+    r = client.post(C, json={"prompt": "p", "stream": True, "n": 2}, headers=auth())
+    check_error(r, 400, "n")
+    assert r.headers["content-type"].startswith("application/json")
+
+
+def test_oversized_body_is_413(client: TestClient) -> None:
+    r = client.post(C, content=b"x" * ((16 << 20) + 1), headers=auth())
+    assert r.status_code == 413 and "error" in r.json()
+
+
+class TooLongEngine(FakeEngine):
+    async def generate(self, request: Request):  # type: ignore[override]
+        raise PromptTooLong("the engine says the prompt does not fit")
+        yield  # pragma: no cover
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_too_long_from_the_engine_is_400(make_client: Any, stream: bool) -> None:
+    eng = TooLongEngine()
+    client = make_client(eng=eng)
+    r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
+    check_error(r, 400, "prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics").text
+
+
+def test_engine_failure_is_a_shaped_500_non_streaming_and_an_error_event_streaming(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    engine.fail_with = "boom"
+    r = client.post(C, json={"prompt": "p"}, headers=auth())
+    assert (
+        r.status_code == 500
+        and r.json()["error"]["type"] == "server_error"
+        and "boom" in r.json()["error"]["message"]
+    )
+    r = client.post(C, json={"prompt": "p", "stream": True}, headers=auth())
+    assert r.status_code == 200
+    assert '"error":{"message":"boom","type":"server_error"' in r.text and r.text.endswith("data: [DONE]\n\n")
+    engine.fail_with = None
+    assert client.post(C, json={"prompt": "p"}, headers=auth()).status_code == 200
+
+
+def test_at_least_25_distinct_bad_inputs() -> None:
+    assert len(BAD) >= 25

@@ -1,0 +1,380 @@
+"""Response shapes, usage accounting, tenancy and salts over the HTTP layer, on a fake engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from tests.helpers.fake_engine import FakeEngine
+from tests.server.conftest import ADMIN, KEY_A, KEY_B, FakeLedger, auth
+
+SYSTEM = "You are a helpful assistant. " * 4
+
+
+def chat_body(user: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "max_tokens": 5,
+        **extra,
+    }
+
+
+def sse_events(resp: Any) -> list[Any]:
+    """Parsed `data:` payloads; the literal [DONE] is kept as the string."""
+    out: list[Any] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def check_usage(usage: dict[str, Any], prompt: int, completion: int, cached: int) -> None:
+    assert usage == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def test_completion_non_streaming_shape_and_usage(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": "abcdef", "max_tokens": 4}, headers=auth()
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "fake-model"
+    assert body["choices"] == [{"index": 0, "text": "abcd", "logprobs": None, "finish_reason": "length"}]
+    check_usage(body["usage"], 6, 4, 0)
+    r2 = client.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 4}, headers=auth())
+    check_usage(r2.json()["usage"], 6, 4, 5)  # the fake engine caps a full hit at len - 1
+
+
+def test_completion_prompt_as_token_ids(client: TestClient, engine: FakeEngine) -> None:
+    for prompt in ([100, 101, 102], [[100, 101, 102]], ["abc"]):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=auth())
+        assert r.status_code == 200, r.text
+    assert engine.requests[0].prompt_ids == (100, 101, 102)
+    assert engine.requests[2].prompt_ids == tuple(b + 3 for b in b"abc")
+
+
+def test_chat_non_streaming_shape_and_usage(client: TestClient, engine: FakeEngine) -> None:
+    r = client.post("/v1/chat/completions", json=chat_body(), headers=auth())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    prompt_len = len(engine.requests[0].prompt_ids)
+    check_usage(body["usage"], prompt_len, 5, 0)
+    assert choice["message"]["content"] == engine.tokenizer.decode(engine.requests[0].prompt_ids[:5])
+
+
+def test_chat_stream_with_usage(client: TestClient, engine: FakeEngine) -> None:
+    body = chat_body(stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    last = chunks[-1]
+    assert last["choices"] == []
+    check_usage(last["usage"], len(engine.requests[0].prompt_ids), 5, 0)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    nonstream = client.post("/v1/chat/completions", json=chat_body(), headers=auth()).json()
+    assert text == nonstream["choices"][0]["message"]["content"]
+    assert nonstream["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_completion_stream_with_and_without_usage(client: TestClient) -> None:
+    body = {"prompt": "hello", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body, headers=auth()) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in events[:-2]) == "hel"
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["choices"] == []
+    check_usage(events[-2]["usage"], 5, 3, 0)
+    with client.stream("POST", "/v1/completions", json={**body, "stream_options": None}, headers=auth()) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in c for c in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_passes_through(client: TestClient, engine: FakeEngine) -> None:
+    r = client.post(
+        "/v1/completions", json={"prompt": "abcdef", "max_tokens": 6, "stop": "cd"}, headers=auth()
+    )
+    assert r.json()["choices"][0] == {"index": 0, "text": "ab", "logprobs": None, "finish_reason": "stop"}
+    assert engine.requests[0].sampling.stop == ("cd",)
+
+
+def test_sampling_fields_reach_the_engine(client: TestClient, engine: FakeEngine) -> None:
+    body = {
+        "prompt": "x",
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "seed": 42,
+        "stop": ["a", "b"],
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "n": 1,
+        "user": "u1",
+        "echo": False,
+        "logit_bias": {},
+        "unknown_field": {"ignored": True},
+    }
+    assert client.post("/v1/completions", json=body, headers=auth()).status_code == 200
+    s = engine.requests[0].sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (3, 0.5, 0.9, 7, 42, ("a", "b"))
+    body = chat_body(max_completion_tokens=2, max_tokens=9, temperature=0, top_k=-1)
+    assert client.post("/v1/chat/completions", json=body, headers=auth()).status_code == 200
+    s = engine.requests[1].sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.greedy) == (2, 0.0, 0, True)
+
+
+def test_chat_default_max_tokens_fills_the_context(client: TestClient, engine: FakeEngine) -> None:
+    body = chat_body()
+    del body["max_tokens"]
+    r = client.post("/v1/chat/completions", json=body, headers=auth())
+    prompt_len = len(engine.requests[0].prompt_ids)
+    assert engine.requests[0].sampling.max_tokens == engine.max_model_len - prompt_len
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_messages_parts_tools_and_roles(client: TestClient, engine: FakeEngine) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    r = client.post(
+        "/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 2}, headers=auth()
+    )
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(engine.requests[0].prompt_ids)
+    assert prompt.startswith('<tools>[{"function": {"name": "get_weather"')
+    assert "<system>be brief\n<user>one\ntwo\n<assistant>" in prompt
+    assert '"arguments": {"city": "Oslo"}' in prompt  # parsed from the JSON string for the template
+    assert "<tool>sunny\n" in prompt
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": 2},
+        headers=auth(),
+    )
+    assert r.status_code == 200
+    assert "<tools>" not in engine.tokenizer.decode(engine.requests[1].prompt_ids)
+    # a tools request is cached like any other: the key is the rendered prompt
+    r = client.post(
+        "/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 2}, headers=auth()
+    )
+    assert (
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(engine.requests[0].prompt_ids) - 1
+    )
+
+
+def test_tenants_and_salts_are_isolated(client: TestClient, engine: FakeEngine) -> None:
+    def cached(key: str, salt: str | None) -> int:
+        body = {"prompt": "the same long prompt", "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = client.post("/v1/completions", json=body, headers=auth(key))
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(KEY_A, None) == 0
+    assert cached(KEY_A, None) > 0
+    assert cached(KEY_B, None) == 0  # another tenant misses
+    assert cached(KEY_A, "s1") == 0  # another salt of the same tenant misses
+    assert cached(KEY_A, "s1") > 0
+    assert cached(KEY_B, "s1") == 0  # the same salt under another key still misses
+    namespaces = [r.namespace for r in engine.requests]
+    assert namespaces[0].tenant_id == namespaces[1].tenant_id != namespaces[2].tenant_id
+    assert namespaces[2].tenant_id == "bob"
+    assert all(ns.model_id == "fake-model" for ns in namespaces)
+    assert all(KEY_A not in ns.tenant_id and KEY_B not in ns.tenant_id for ns in namespaces)
+    assert [ns.cache_salt for ns in namespaces] == ["", "", "", "s1", "s1", "s1"]
+
+
+def test_body_cannot_pick_a_tenant(client: TestClient, engine: FakeEngine) -> None:
+    body = {
+        "prompt": "p",
+        "max_tokens": 1,
+        "tenant_id": "bob",
+        "namespace": {"tenant_id": "bob"},
+        "user": "bob",
+        "api_key": KEY_B,
+    }
+    assert client.post("/v1/completions", json=body, headers=auth(KEY_A)).status_code == 200
+    assert engine.requests[0].namespace.tenant_id not in ("bob", KEY_B)
+
+
+def test_auth(client: TestClient) -> None:
+    body = {"prompt": "p", "max_tokens": 1}
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY_A},
+        {"Authorization": "Basic x"},
+    ):
+        r = client.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "wrong" not in r.text
+    assert client.get("/v1/models").status_code == 401
+    assert client.post("/v1/completions", json=body, headers=auth(KEY_B)).status_code == 200
+    assert (
+        client.post("/v1/completions", json=body, headers={"Authorization": f"bearer {KEY_A}"}).status_code
+        == 200
+    )
+    # the admin key is not a tenant for generation, but may call the other APIs
+    r = client.post("/v1/completions", json=body, headers=auth(ADMIN))
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert client.get("/v1/models", headers=auth(ADMIN)).status_code == 200
+
+
+def test_open_server_has_one_tenant_and_warns(make_client: Any, engine: FakeEngine, caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger="prefixserve.server"):
+        client = make_client(api_keys=(), admin_key=None)
+    assert any("OPEN" in rec.getMessage() for rec in caplog.records)
+    for headers in ({}, auth("anything"), auth("else")):
+        assert (
+            client.post("/v1/completions", json={"prompt": "p", "max_tokens": 1}, headers=headers).status_code
+            == 200
+        )
+    assert len({r.namespace.tenant_id for r in engine.requests}) == 1
+
+
+def test_models_health_and_unknown_routes(client: TestClient) -> None:
+    r = client.get("/v1/models", headers=auth())
+    assert r.json()["object"] == "list" and r.json()["data"][0]["id"] == "fake-model"
+    assert client.get("/v1/models/fake-model", headers=auth()).json()["id"] == "fake-model"
+    assert client.get("/v1/models/other", headers=auth()).status_code == 404
+    h = client.get("/health")
+    assert h.status_code == 200
+    assert {k: h.json()[k] for k in ("ok", "exact_reuse", "detail", "running", "waiting")} == {
+        "ok": True,
+        "exact_reuse": True,
+        "detail": "fake engine",
+        "running": 0,
+        "waiting": 0,
+    }
+    for method, path in (("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/completions")):
+        r = client.request(method, path, headers=auth())
+        assert r.status_code in (404, 405)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_metrics_text(client: TestClient) -> None:
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}, headers=auth())
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}, headers=auth())
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0}, headers=auth())
+    client.post("/v1/completions", json={}, headers=auth("nope"))
+    text = client.get("/metrics").text
+    assert 'prefixserve_http_requests_total{endpoint="/v1/completions",status_class="2xx"} 2.0' in text
+    assert 'prefixserve_http_requests_total{endpoint="/v1/completions",status_class="4xx"} 2.0' in text
+    assert "prefixserve_prompt_tokens_total 6.0" in text
+    assert "prefixserve_cached_prompt_tokens_total 2.0" in text
+    assert "prefixserve_completion_tokens_total 6.0" in text
+    assert "prefixserve_cache_bytes 200.0" in text
+    assert "prefixserve_cache_entries 2.0" in text
+    assert "prefixserve_cache_evictions 0.0" in text
+    assert "prefixserve_cache_hit_ratio 0.25" in text
+    assert "prefixserve_cache_token_hit_ratio 0.3333" in text
+    assert "prefixserve_engine_weird_key_name 7.0" in text
+    assert "prefixserve_time_to_first_token_seconds_bucket" in text
+    assert "prefixserve_inter_token_latency_seconds_count 4.0" in text
+    assert "prefixserve_requests_in_flight 0.0" in text
+    assert "tenant" not in text and KEY_A not in text and "bob" not in text
+    from prometheus_client import REGISTRY, generate_latest
+
+    assert b"prefixserve_" not in generate_latest(REGISTRY)  # the app's own registry, not the global one
+
+
+def test_ledger_gets_one_record_per_request_and_is_closed(make_client: Any) -> None:
+    ledger = FakeLedger()
+    client = make_client(ledger=ledger)
+    r1 = client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 2}, headers=auth())
+    r2 = client.post(
+        "/v1/completions", json={"prompt": "abcd", "max_tokens": 2, "stream": True}, headers=auth(KEY_B)
+    )
+    assert r2.status_code == 200 and r2.text.endswith("data: [DONE]\n\n")
+    client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": -1}, headers=auth())  # no record
+    tenant_a = "key-" + hashlib.sha256(KEY_A.encode()).hexdigest()[:12]
+    assert [
+        (r.tenant_id, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.finish_reason)
+        for r in ledger.records
+    ] == [(tenant_a, 4, 0, 2, "length"), ("bob", 4, 0, 2, "length")]
+    assert ledger.records[0].request_id == r1.json()["id"] and ledger.records[0].model == "fake-model"
+    client.__exit__(None, None, None)
+    assert ledger.closed
+
+
+def test_usage_api_over_the_real_ledger(make_client: Any, tmp_path: Any) -> None:
+    from prefixserve.ledger import Ledger, Pricing
+
+    client = make_client(ledger=Ledger(str(tmp_path / "usage.sqlite3"), Pricing.default()))
+    for key in (KEY_A, KEY_A, KEY_B):
+        assert (
+            client.post(
+                "/v1/completions", json={"prompt": "abcdef", "max_tokens": 2}, headers=auth(key)
+            ).status_code
+            == 200
+        )
+    start = int(time.time()) - 3600
+    mine = client.get(f"/v1/usage?start_time={start}&group_by=tenant_id", headers=auth(KEY_A))
+    assert mine.status_code == 200, mine.text
+    results = [res for bucket in mine.json()["data"] for res in bucket["results"]]
+    assert [
+        (r["num_model_requests"], r["input_tokens"], r["input_cached_tokens"], r["output_tokens"])
+        for r in results
+    ] == [(2, 12, 5, 4)]
+    assert all(r["tenant_id"] != "bob" for r in results)
+    everyone = client.get(f"/v1/usage?start_time={start}&group_by=tenant_id", headers=auth(ADMIN))
+    tenants = sorted(r["tenant_id"] for b in everyone.json()["data"] for r in b["results"])
+    assert len(tenants) == 2 and "bob" in tenants
+    bad = client.get(f"/v1/usage?start_time={start}&tenant_id=bob", headers=auth(KEY_A))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tenant_id"
+    assert client.get("/v1/usage", headers=auth(KEY_A)).json()["error"]["param"] == "start_time"
+    assert client.get(f"/v1/usage?start_time={start}").status_code == 401
+
+
+def test_usage_api_without_a_ledger_is_404(client: TestClient) -> None:
+    r = client.get("/v1/usage?start_time=0", headers=auth())
+    assert r.status_code == 404 and r.json()["error"]["code"] == "ledger_disabled"
+
+
+def test_shutdown_drains_the_engine(make_client: Any, engine: FakeEngine) -> None:
+    client = make_client()
+    client.__exit__(None, None, None)
+    assert engine.shutdown_calls == [True]
