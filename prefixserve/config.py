@@ -30,13 +30,10 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     max_bytes: int = 2 << 30  # one global budget across all namespaces; 0 disables caching
-    block_tokens: int = 32  # granularity of the hash index (a hash finds candidates, tokens confirm)
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
             raise ValueError("cache max_bytes must be >= 0")
-        if self.block_tokens < 1:
-            raise ValueError("block_tokens must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,14 @@ import argparse
 import logging
 import os
 import signal
+import sqlite3
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from prefixserve.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 
 logger = logging.getLogger("prefixserve.server")
@@ -106,6 +108,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="usage ledger (PREFIXSERVE_LEDGER_PATH; default <data-dir>/usage.sqlite3)",
     )
     a("--pricing", metavar="FILE", help="pricing TOML for the usage API (PREFIXSERVE_PRICING)")
+    a("--price", action="append", dest="prices", metavar="MODEL=IN,CACHED,OUT",
+      help="USD per million tokens for MODEL ('*' = any), overriding --pricing; repeatable")
     a("--no-ledger", action="store_true", default=None, help="do not record usage (PREFIXSERVE_NO_LEDGER=1)")
     a(
         "--log-level",
@@ -153,8 +157,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         data_dir.mkdir(parents=True, exist_ok=True)
-        ledger = None if s["no_ledger"] else open_ledger(server_config)
-    except (OSError, ValueError, argparse.ArgumentTypeError) as e:
+        ledger = None if s["no_ledger"] else open_ledger(server_config, getattr(args, "prices", None) or ())
+    except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
         print(f"prefixserve serve: {e}", file=sys.stderr)
         return 2
 
@@ -194,16 +198,11 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info") -> int:
     return 0 if server.started else 1
 
 
-def open_ledger(server_config: ServerConfig) -> Any | None:
-    """The usage ledger, or None (with a warning) when prefixserve.ledger is not installed."""
-    try:
-        from prefixserve.ledger import Ledger, Pricing
-    except ImportError as e:
-        logger.warning("usage ledger unavailable (%s); usage will not be recorded", e)
-        return None
-    pricing = (
-        Pricing.from_toml(server_config.pricing_path) if server_config.pricing_path else Pricing.default()
-    )
+def open_ledger(server_config: ServerConfig, prices: Sequence[str] = ()) -> Ledger:
+    """The usage ledger, priced from the TOML file and/or `--price` flags."""
+    pricing = Pricing.from_toml(server_config.pricing_path) if server_config.pricing_path else Pricing.default()
+    if prices:
+        pricing = Pricing.from_specs(prices, base=pricing)
     assert server_config.ledger_path is not None
     Path(server_config.ledger_path).parent.mkdir(parents=True, exist_ok=True)
     return Ledger(server_config.ledger_path, pricing)

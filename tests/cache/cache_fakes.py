@@ -47,8 +47,8 @@ def snap(
     return _state(tokens, False, logits, nbytes, shared)
 
 
-def make_cache(max_bytes: int = 10_000, block_tokens: int = 4) -> PrefixCache:
-    return PrefixCache(CacheConfig(max_bytes=max_bytes, block_tokens=block_tokens))
+def make_cache(max_bytes: int = 10_000) -> PrefixCache:
+    return PrefixCache(CacheConfig(max_bytes=max_bytes))
 
 
 def _state(

@@ -63,7 +63,7 @@ def total_bytes(refs: list[Ref], extra: tuple[tuple[Hashable, int], ...] = ()) -
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.cache = make_cache(max_bytes=MAX_BYTES, block_tokens=2)
+        self.cache = make_cache(max_bytes=MAX_BYTES)
         self.model: list[Ref] = []  # least recently used first
         self.pinned: list[Ref] = []  # one item per pin held
         self.num_lookups = self.num_hits = self.num_cached_tokens = 0
