@@ -97,6 +97,9 @@ class EngineCore:
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
         self._admit()
+        for s in self.running:
+            if s.pending_restore is not None:
+                self._restore(s)
         items: list[StepItem] = []
         prefill_ends: list[tuple[Session, int, int]] = []
         decoding: list[Session] = []
@@ -118,12 +121,11 @@ class EngineCore:
             self.counters.num_steps += 1
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
-            if end == s.boundary:
-                self._insert(s, end)
             if end == s.prompt_len:
-                self._insert(s, end)
                 s.phase = Phase.DECODE
-                self._sample(s)
+                s.to_insert.append(end)
+                self._sample(s)  # the first token goes out before the snapshot copies below
+                self._flush_inserts(s)
         for s in decoding:
             if s.phase is Phase.DECODE:
                 self._sample(s)
@@ -144,34 +146,50 @@ class EngineCore:
 
     def _start(self, s: Session) -> None:
         req = s.request
-        room = s.prompt_len + min(req.sampling.max_tokens, self.max_model_len - s.prompt_len)
         hit = self.cache.lookup(req.namespace, req.prompt_ids) if self.exact_reuse else None
         if isinstance(hit, Hit):
-            with self.cache.pinned(hit.entry):
-                s.state = hit.entry.state.restore(hit.num_cached_tokens, room - hit.num_cached_tokens)  # type: ignore[attr-defined]
+            self.cache.pin(hit.entry)  # held until the copy is made (now, or next step for a full hit)
+            s.pending_restore = hit.entry
             s.num_cached = hit.num_cached_tokens
-        else:
-            s.state = self.runner.new_state(room)
         lcp = 0 if hit is None else hit.lcp_len
-        if MIN_BOUNDARY_TOKENS <= lcp < s.prompt_len and not (
-            isinstance(hit, Hit) and hit.entry.num_tokens == lcp
-        ):
+        if MIN_BOUNDARY_TOKENS <= lcp < s.prompt_len and not (isinstance(hit, Hit) and hit.entry.num_tokens == lcp):
             s.boundary = lcp
-            if s.num_cached == lcp:  # already holds the boundary (copied from a longer entry)
-                self._insert(s, lcp)
+            s.to_insert.append(lcp)
         self.counters.num_prompt_tokens += s.prompt_len
         self.counters.num_cached_tokens += s.num_cached
-        if s.num_cached == s.prompt_len:  # full hit: the entry's stored logits give the first token
-            assert s.state is not None and s.state.logits is not None
+        if s.num_cached == s.prompt_len:
+            # full hit: the entry's stored logits give the first token now; the KV copy waits a step
             s.phase = Phase.DECODE
             self._sample(s)
-        else:
-            s.phase = Phase.PREFILL
-            # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
-            self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
+            return
+        self._restore(s)
+        s.phase = Phase.PREFILL
+        # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
+        self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
+
+    def _restore(self, s: Session) -> None:
+        """Give the session its own state: a deep copy of the pinned hit, or a fresh one."""
+        room = s.prompt_len + min(s.request.sampling.max_tokens, self.max_model_len - s.prompt_len)
+        entry = s.pending_restore
+        if entry is None:
+            s.state = self.runner.new_state(room)
+            return
+        try:
+            s.state = entry.state.restore(s.num_cached, room - s.num_cached)  # type: ignore[attr-defined]
+        finally:
+            s.pending_restore = None
+            self.cache.unpin(entry)
+
+    def _flush_inserts(self, s: Session) -> None:
+        """Offer the session's state at each pending length (boundary, full prompt) to the cache."""
+        if s.state is None:
+            s.to_insert.clear()
+            return
+        for num_tokens in s.to_insert:
+            self._insert(s, num_tokens)
+        s.to_insert.clear()
 
     def _insert(self, s: Session, num_tokens: int) -> None:
-        """Offer the session's state at `num_tokens` (a boundary or the full prompt) to the cache."""
         if not self.exact_reuse or self.cache.config.max_bytes == 0:
             return
         assert s.state is not None and num_tokens <= s.state.num_tokens
@@ -180,9 +198,13 @@ class EngineCore:
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 
     def _sample(self, s: Session) -> None:
-        assert s.state is not None and s.state.logits is not None
+        if s.state is not None:
+            logits = s.state.logits
+        else:  # a full hit whose copy is still pending
+            logits = s.pending_restore.state.logits  # type: ignore[union-attr]
+        assert logits is not None
         sp = s.request.sampling
-        token = sample(s.state.logits, sp, s.generator)
+        token = sample(logits, sp, s.generator)
         if s.first_token_at is None:
             s.first_token_at = time.monotonic()
         s.output_ids.append(token)
@@ -196,7 +218,7 @@ class EngineCore:
             if s.detok.stopped:
                 reason = FinishReason.STOP
         if reason is None and (
-            len(s.output_ids) >= sp.max_tokens or s.state.num_tokens + 1 >= self.max_model_len
+            len(s.output_ids) >= sp.max_tokens or s.prompt_len + len(s.output_ids) >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
         if reason is None:
@@ -215,9 +237,13 @@ class EngineCore:
             self.running.remove(s)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.counters.num_finished += 1
+            self._flush_inserts(s)
             self._offer_turn(s)
         else:
             self.counters.num_aborted += 1
+        if s.pending_restore is not None:
+            self.cache.unpin(s.pending_restore)
+            s.pending_restore = None
         text += s.detok.flush()
         self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=s.usage()))
         s.state = None  # free the session's KV now

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,7 +27,8 @@ class Session:
 
     # [0, num_cached)            copied from the cache entry
     # [num_cached, num_computed) computed by this session so far
-    # boundary                   where a boundary entry is inserted on the way (0 = none)
+    # boundary                   where a boundary entry is inserted (0 = none); prefill chunks
+    #                            end there, so snapshot-only states could be taken on the way
     """
 
     request: Request
@@ -36,6 +38,8 @@ class Session:
     phase: Phase = Phase.WAITING
     num_cached: int = 0
     boundary: int = 0
+    pending_restore: Any = None  # a pinned cache Entry to copy from before the next forward
+    to_insert: list[int] = field(default_factory=list)  # lengths to snapshot into the cache after the first token
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.monotonic)

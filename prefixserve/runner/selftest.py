@@ -25,7 +25,7 @@ class SelfTestResult:
     seconds: float
 
 
-def check_invariance(runner: ModelRunner, num_tokens: int = 80, seed: int = 1234) -> bool:
+def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234) -> bool:
     """True when last logits agree bitwise for one-shot, split, token-wise and batched runs."""
     g = torch.Generator().manual_seed(seed)
     vocab = runner.decoder.arch.vocab_size
@@ -42,7 +42,7 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 80, seed: int = 1234
         return st.logits
 
     ref = run([])
-    for splits in ([1], [37], [64], [num_tokens - 1], [5, 6, 40]):
+    for splits in ([1], [29], [num_tokens - 1], [5, 6, 33]):
         if not torch.equal(run(splits), ref):
             return False
     st = runner.new_state()
