@@ -6,6 +6,9 @@ import pytest
 import torch
 
 _MODELS: dict[str, object] = {}
+# In-process model tests run on one thread: bits are the same for a fixed thread count, and two
+# threads stall badly whenever a server subprocess (or anything else) competes for the 2 cores.
+IN_PROCESS_THREADS = 1
 
 
 def load_embedded(dtype: str):
@@ -15,7 +18,7 @@ def load_embedded(dtype: str):
         from prefixserve.runner import ModelRunner
 
         m = load_model(None, torch.float32 if dtype == "fp32" else torch.bfloat16)
-        _MODELS[dtype] = (m, ModelRunner(m.decoder))
+        _MODELS[dtype] = (m, ModelRunner(m.decoder, IN_PROCESS_THREADS))
     return _MODELS[dtype]
 
 

@@ -5,7 +5,7 @@ SYSTEM = (
     + " ".join(
         f"Rule {i}: when a customer asks about shipment category {i}, confirm the tracking number, explain "
         f"the delivery window and never promise dates beyond warehouse estimate {i * 7}."
-        for i in range(1, 7)
+        for i in range(1, 3)
     )
 )
 
@@ -33,7 +33,7 @@ def chat_prompts(tokenizer, n: int = 16, with_system: bool = True) -> list[list[
     out = []
     for i, q in enumerate(QUESTIONS[:n]):
         msgs = [{"role": "user", "content": q}]
-        if with_system and i % 2 == 0:
+        if with_system:
             msgs.insert(0, {"role": "system", "content": SYSTEM})
         out.append(tokenizer.render_chat(msgs))
     return out
