@@ -80,13 +80,7 @@ def _ours(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float]:
 
 
 def _transformers(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float]:
-    import os
-
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=dtype).eval()
+    model = reference_model(dtype)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
@@ -101,6 +95,8 @@ def _transformers(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float
 
         out[f"prefill{n}"] = n / _median(prefill, 1 if (quick or n > 512) else reps)
     steps = 8 if quick else 24
+    from transformers import DynamicCache
+
     for batch in (1, 8):
         ids = torch.randint(3, vocab, (batch, 500), generator=g)
         with torch.inference_mode():
@@ -117,3 +113,27 @@ def _transformers(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float
 
         out[f"decode{batch}"] = 1000 * _median(decode, 1)
     return out
+
+
+def reference_model(dtype: torch.dtype):  # -> transformers.LlamaForCausalLM
+    """The generic `transformers` Llama model holding the same dequantised weights as ours."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefixserve.models.gguf_loader import GGUFModel
+
+    gm = GGUFModel(embedded_model_path())
+    a = gm.arch
+    config = LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+        max_position_embeddings=a.max_position, rope_theta=a.rope_theta, rms_norm_eps=a.rms_eps,
+        tie_word_embeddings=a.tie_embeddings,
+    )
+    model = LlamaForCausalLM(config)
+    state = {}
+    for name in model.state_dict():
+        t = gm.tensor(name)
+        if t is not None:
+            state[name] = t
+    model.load_state_dict(state, strict=False)
+    return model.to(dtype).eval()
