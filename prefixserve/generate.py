@@ -34,7 +34,7 @@ def run_generate(args: argparse.Namespace) -> int:
         first = None
         usage = None
         async for d in engine.generate(req):
-            if first is None:
+            if first is None and d.token_ids:
                 first = time.perf_counter()
             print(d.text, end="", flush=True)
             usage = d.usage or usage

@@ -46,7 +46,8 @@ def _bench_ttft(quick: bool, print_fn: Callable[[str], object]) -> None:
     firsts: dict[str, float] = {}
 
     def emit(rid: str, d: Delta) -> None:
-        firsts.setdefault(rid, time.perf_counter())
+        if d.token_ids:  # the admission delta carries usage only
+            firsts.setdefault(rid, time.perf_counter())
 
     core = EngineCore(runner, m.tokenizer, PrefixCache(CacheConfig(max_bytes=4 << 30)), EngineConfig(), 8192, emit)
     ns = Namespace("bench", "t")
