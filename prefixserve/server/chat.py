@@ -12,11 +12,10 @@ from typing import Any
 
 from prefixserve.engine.protocol import EngineClient, TemplateError
 from prefixserve.server import params
-from prefixserve.server.completions import check_fits
+from prefixserve.server.completions import check_fits, prepared
 from prefixserve.server.errors import bad_request
-from prefixserve.server.responses import ChatShape, Prepared, new_id
+from prefixserve.server.responses import ChatShape, Prepared
 from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage
-from prefixserve.types import Request
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -41,16 +40,7 @@ def prepare_chat(body: ChatCompletionRequest, engine: EngineClient, tenant_id: s
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     remaining = max(1, engine.max_model_len - len(prompt_ids))  # no limit given: until the context fills
     sampling = params.sampling_params(body, max_tokens, remaining, engine.max_model_len)
-    request_id = new_id("chatcmpl")
-    request = Request(
-        request_id=request_id,
-        namespace=params.namespace(engine.model_id, tenant_id, salt),
-        prompt_ids=tuple(prompt_ids),
-        sampling=sampling,
-    )
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    shape = ChatShape(id=request_id, model=model, include_usage=include_usage)
-    return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id)
+    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, model, "chatcmpl", ChatShape)
 
 
 def check_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:

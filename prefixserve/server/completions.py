@@ -13,7 +13,7 @@ from prefixserve.server import params
 from prefixserve.server.errors import bad_request
 from prefixserve.server.responses import CompletionShape, Prepared, new_id
 from prefixserve.server.schemas import CompletionRequest
-from prefixserve.types import Request
+from prefixserve.types import Request, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -34,7 +34,15 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
     prompt_ids = prompt_token_ids(body.prompt, engine)
     check_fits(len(prompt_ids), engine.max_model_len)
     sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len)
-    request_id = new_id("cmpl")
+    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, model, "cmpl", CompletionShape)
+
+
+def prepared(
+    engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
+    salt: str | None, model: str, id_prefix: str, shape_cls: Any,
+) -> Prepared:
+    """The engine Request (namespace from the tenant and salt alone) and the response shape."""
+    request_id = new_id(id_prefix)
     request = Request(
         request_id=request_id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),
@@ -42,7 +50,7 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
         sampling=sampling,
     )
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    shape = CompletionShape(id=request_id, model=model, include_usage=include_usage)
+    shape = shape_cls(id=request_id, model=model, include_usage=include_usage)
     return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id)
 
 
