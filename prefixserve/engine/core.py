@@ -204,7 +204,12 @@ class EngineCore:
             logits = s.pending_restore.state.logits  # type: ignore[union-attr]
         assert logits is not None
         sp = s.request.sampling
-        token = sample(logits, sp, s.generator)
+        try:
+            token = sample(logits, sp, s.generator)
+        except (RuntimeError, ValueError) as e:  # one request's sampling must never fail the batch
+            log.warning("sampling failed for %s: %s", s.request.request_id, e)
+            self._finish(s, FinishReason.ERROR)
+            return
         if s.first_token_at is None:
             s.first_token_at = time.monotonic()
         s.output_ids.append(token)

@@ -7,6 +7,9 @@ import torch
 from prefixserve.types import SamplingParams
 
 
+MIN_TEMPERATURE = 1e-5  # below this, 1/T overflows fp32 and the distribution is argmax anyway
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """Same seed, same draws. Without a seed, a fresh random one."""
     g = torch.Generator(device="cpu")
@@ -19,9 +22,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """logits: fp32 [vocab] (not modified). Returns the next token id."""
-    if params.greedy:
+    if params.greedy or params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    x = logits.float() / params.temperature
+    # shift first: the max logit becomes 0, so even a denormal temperature gives 0 and -inf, never NaN
+    x = logits.float()
+    x = (x - x.max()) / params.temperature
     if params.top_k > 0 and params.top_k < x.shape[0]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

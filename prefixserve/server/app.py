@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from prefixserve.config import ServerConfig
 from prefixserve.engine.protocol import EngineClient
@@ -92,12 +93,12 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        keys.identify(request.headers.get("authorization"))
+        keys.identify(authorization(request))
         return {"object": "list", "data": [_model_card(engine, started)]}
 
     @app.get("/v1/models/{model_name:path}")
     async def get_model(model_name: str, request: Request) -> dict[str, Any]:
-        keys.identify(request.headers.get("authorization"))
+        keys.identify(authorization(request))
         if model_name != engine.model_id:
             raise APIError(
                 404, f"The model '{model_name}' does not exist", param="model", code="model_not_found"
@@ -106,19 +107,20 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        tenant_id = keys.tenant_for_generation(request.headers.get("authorization"))
+        tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), CompletionRequest)
-        return await _generate(request, prepare_completion(body, engine, tenant_id))
+        # tokenising a long prompt must not stall every other stream on the event loop
+        return await _generate(request, await run_in_threadpool(prepare_completion, body, engine, tenant_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        tenant_id = keys.tenant_for_generation(request.headers.get("authorization"))
+        tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), ChatCompletionRequest)
-        return await _generate(request, prepare_chat(body, engine, tenant_id))
+        return await _generate(request, await run_in_threadpool(prepare_chat, body, engine, tenant_id))
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> Any:
-        principal = keys.identify(request.headers.get("authorization"))
+        principal = keys.identify(authorization(request))
         if ledger is None:
             raise APIError(404, "the usage ledger is disabled on this server", code="ledger_disabled")
         from prefixserve.ledger import UsageQueryError
@@ -153,12 +155,24 @@ async def read_body(request: Request) -> bytes:
         raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # the client hung up mid-body: nobody to answer, and not the server's fault (nginx's 499)
+        raise APIError(499, "the client closed the connection while sending the request") from None
     return b"".join(chunks)
+
+
+def authorization(request: Request) -> str | None:
+    """The one Authorization header value; two or more are refused rather than guessed between."""
+    values = request.headers.getlist("authorization")
+    if len(values) > 1:
+        raise APIError(400, "send exactly one Authorization header", code="invalid_request")
+    return values[0] if values else None
 
 
 def _model_card(engine: EngineClient, created: int) -> dict[str, Any]:

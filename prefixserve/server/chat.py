@@ -12,7 +12,7 @@ from typing import Any
 
 from prefixserve.engine.protocol import EngineClient, TemplateError
 from prefixserve.server import params
-from prefixserve.server.completions import check_fits, prepared
+from prefixserve.server.completions import check_chars, check_fits, prepared
 from prefixserve.server.errors import bad_request
 from prefixserve.server.responses import ChatShape, Prepared
 from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage
@@ -110,6 +110,8 @@ def render_prompt(
     engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[int]:
     """The chat template's token ids. A template that rejects the messages is the client's error (400)."""
+    text_len = len(json.dumps(messages, ensure_ascii=False, default=str)) + len(json.dumps(tools or [], default=str))
+    check_chars(text_len, engine.max_model_len, "messages")
     try:
         ids = engine.tokenizer.render_chat(messages, tools)
     except TemplateError as e:  # the tokenizer wraps jinja errors and a template's raise_exception

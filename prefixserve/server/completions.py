@@ -65,6 +65,7 @@ def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
+        check_chars(len(prompt), engine.max_model_len, "prompt")
         ids = engine.tokenizer.encode(params.check_text(prompt, "prompt"))
         if not ids:
             raise bad_request("prompt encodes to no tokens", "prompt")
@@ -72,6 +73,19 @@ def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
     if isinstance(prompt, list):
         return params.check_token_ids(prompt, params.vocab_size(engine), "prompt")
     raise bad_request("prompt must be a string or a list of integer token ids", "prompt")
+
+
+MAX_CHARS_PER_TOKEN = 64  # far above any real text's average; bounds tokenizer work on hostile input
+
+
+def check_chars(num_chars: int, max_model_len: int, param: str) -> None:
+    """Refuse text that cannot fit the context before spending seconds tokenizing it."""
+    if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise bad_request(
+            f"the prompt is {num_chars} characters; this model's context is {max_model_len} tokens",
+            param,
+            "context_length_exceeded",
+        )
 
 
 def check_fits(prompt_len: int, max_model_len: int) -> None:

@@ -1,0 +1,247 @@
+"""The malformed requests of test_bad_input: each names what is wrong with it and the exact status
+(and, when the mistake is one field, the `param`) its OpenAI-shaped error must carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tests.reliability.conftest import tenant_keys
+
+CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+VOCAB = 49152  # SmolLM2
+CONTEXT = 8192
+ALICE, BOB = tenant_keys()["alice"], tenant_keys()["bob"]
+
+
+@dataclass(frozen=True)
+class Bad:
+    """One malformed request. `body` is JSON-encoded unless it is bytes; headers are (name, value)
+    pairs so a header can be doubled; `auth=False` sends no Authorization header of our own."""
+
+    name: str
+    path: str
+    body: Any
+    status: int = 400
+    param: str | None = None  # the `param` the error must name, when the mistake is one field
+    method: str = "POST"
+    headers: tuple[tuple[str, str], ...] = ()
+    auth: bool = True
+
+
+def chat(name: str, status: int = 400, param: str | None = None, **fields: Any) -> Bad:
+    return Bad(name, CHAT, {"messages": MSGS, "max_tokens": 1, **fields}, status, param)
+
+
+def cmpl(name: str, status: int = 400, param: str | None = None, **fields: Any) -> Bad:
+    return Bad(name, CMPL, {"prompt": "hi", "max_tokens": 1, **fields}, status, param)
+
+
+def fn_tool(**function: Any) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", **function}}]
+
+
+CASES: list[Bad] = [
+    # -- the body as a whole
+    Bad("json-syntax", CHAT, b"{bad json"),
+    Bad("json-truncated", CMPL, b'{"prompt": "hi", "max_tokens": 1'),
+    Bad("json-trailing-garbage", CMPL, b'{"prompt": "hi"} trailing'),
+    Bad("body-empty", CHAT, b""),
+    Bad("body-whitespace", CHAT, b"  \n\t "),
+    Bad("body-array", CHAT, b"[]"),
+    Bad("body-string", CMPL, b'"just a string"'),
+    Bad("body-null", CMPL, b"null"),
+    Bad("body-number", CMPL, b"42"),
+    Bad("body-invalid-utf8", CMPL, b'{"prompt": "\xff\xfe\xc3(", "max_tokens": 1}'),
+    Bad("body-lone-surrogate", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 1}'),
+    Bad("body-nested-too-deep", CHAT, b"[" * 100_000),
+    Bad("body-nan-literal", CMPL, b'{"prompt": "hi", "temperature": NaN}', param="temperature"),
+    Bad("body-over-16MiB", CMPL, b'{"prompt": "' + b"a" * (17 << 20) + b'"}', status=413),
+    # -- prompt (completions)
+    cmpl("prompt-missing", prompt=None),
+    cmpl("prompt-int", prompt=42, param="prompt"),
+    cmpl("prompt-object", prompt={"text": "hi"}, param="prompt"),
+    cmpl("prompt-empty-string", prompt="", param="prompt"),
+    cmpl("prompt-empty-list", prompt=[], param="prompt"),
+    cmpl("prompt-empty-nested-list", prompt=[[]], param="prompt"),
+    cmpl("prompt-several", prompt=["one", "two"], param="prompt"),
+    cmpl("prompt-mixed-ids", prompt=[1, "a"], param="prompt"),
+    cmpl("prompt-float-ids", prompt=[1.5, 2.0], param="prompt"),
+    cmpl("prompt-bool-ids", prompt=[True, False], param="prompt"),
+    cmpl("prompt-id-negative", prompt=[5, -1], param="prompt"),
+    cmpl("prompt-id-past-vocab", prompt=[5, VOCAB], param="prompt"),
+    cmpl("prompt-id-huge", prompt=[10**30], param="prompt"),
+    cmpl("prompt-ids-over-context", prompt=[100] * CONTEXT, param="prompt"),
+    cmpl("prompt-text-over-context", prompt="lorem ipsum " * 6000, param="prompt"),
+    # -- sampling fields, both endpoints
+    cmpl("max_tokens-string", max_tokens="5", param="max_tokens"),
+    cmpl("max_tokens-negative", max_tokens=-1, param="max_tokens"),
+    cmpl("max_tokens-zero", max_tokens=0, param="max_tokens"),
+    cmpl("max_tokens-float", max_tokens=2.5, param="max_tokens"),
+    cmpl("max_tokens-bool", max_tokens=True, param="max_tokens"),
+    cmpl("max_tokens-huge", max_tokens=10**30, param="max_tokens"),
+    chat("max_completion_tokens-negative", max_completion_tokens=-3, param="max_tokens"),
+    chat("temperature-negative", temperature=-1, param="temperature"),
+    chat("temperature-string", temperature="hot", param="temperature"),
+    chat("temperature-too-high", temperature=7.5, param="temperature"),
+    Bad("temperature-infinite", CMPL, b'{"prompt": "hi", "temperature": 1e400}', param="temperature"),
+    cmpl("top_p-zero", top_p=0, param="top_p"),
+    cmpl("top_p-over-one", top_p=1.5, param="top_p"),
+    cmpl("top_k-negative", top_k=-5, param="top_k"),
+    cmpl("seed-over-64-bits", seed=2**70, param="seed"),
+    cmpl("seed-string", seed="42", param="seed"),
+    cmpl("stop-int", stop=5, param="stop"),
+    cmpl("stop-empty-string", stop=[""], param="stop"),
+    cmpl("stop-too-many", stop=[f"s{i}" for i in range(17)], param="stop"),
+    cmpl("stop_token_ids-negative", stop_token_ids=[-1], param="stop_token_ids"),
+    cmpl("n-two", n=2, param="n"),
+    cmpl("logit_bias", logit_bias={"1": 5}, param="logit_bias"),
+    cmpl("stream-string", stream="yes", param="stream"),
+    cmpl("stream_options-without-stream", stream_options={"include_usage": True}, param="stream_options"),
+    cmpl("echo", echo=True, param="echo"),
+    cmpl("best_of", best_of=3, param="best_of"),
+    cmpl("model-unknown", model="gpt-4o", param="model"),
+    cmpl("model-int", model=123, param="model"),
+    # -- cache_salt
+    cmpl("salt-int", cache_salt=123, param="cache_salt"),
+    cmpl("salt-empty", cache_salt="", param="cache_salt"),
+    chat("salt-list", cache_salt=["a"], param="cache_salt"),
+    chat("salt-object", cache_salt={"a": 1}, param="cache_salt"),
+    chat("salt-bool", cache_salt=True, param="cache_salt"),
+    chat("salt-too-long", cache_salt="s" * 300, param="cache_salt"),
+    # -- messages (chat)
+    Bad("messages-missing", CHAT, {"max_tokens": 1}, param="messages"),
+    chat("messages-empty", messages=[], param="messages"),
+    chat("messages-string", messages="hi", param="messages"),
+    chat("role-unknown", messages=[{"role": "wizard", "content": "hi"}], param="messages[0].role"),
+    chat("role-missing", messages=[{"content": "hi"}], param="messages[0].role"),
+    chat("content-int", messages=[{"role": "user", "content": 5}], param="messages[0].content"),
+    chat("content-null-user", messages=[{"role": "user", "content": None}], param="messages[0].content"),
+    chat(
+        "content-part-image",
+        param="messages[0].content[0].type",
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+    ),
+    chat(
+        "content-part-not-object",
+        messages=[{"role": "user", "content": ["hi"]}],
+        param="messages[0].content[0]",
+    ),
+    chat(
+        "tool-message-without-id",
+        messages=[{"role": "tool", "content": "42"}],
+        param="messages[0].tool_call_id",
+    ),
+    chat(
+        "tool_calls-on-user",
+        param="messages[0].tool_calls",
+        messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}],
+    ),
+    chat(
+        "message-content-over-context",
+        messages=[{"role": "user", "content": "lorem ipsum " * 6000}],
+        param="prompt",
+    ),
+    # -- tools
+    chat("tools-not-a-list", tools="f", param="tools"),
+    chat("tools-item-not-object", tools=[5], param="tools[0]"),
+    chat(
+        "tools-function-not-object", tools=[{"type": "function", "function": "f"}], param="tools[0].function"
+    ),
+    chat(
+        "tools-parameters-not-object",
+        tools=fn_tool(parameters="not an object"),
+        param="tools[0].function.parameters",
+    ),
+    chat("tools-parameters-list", tools=fn_tool(parameters=[1, 2]), param="tools[0].function.parameters"),
+    chat(
+        "tools-name-missing",
+        tools=[{"type": "function", "function": {"description": "d"}}],
+        param="tools[0].function.name",
+    ),
+    chat("tools-type-unknown", tools=[{"type": "retrieval"}], param="tools[0].type"),
+    chat("tool_choice-required", tools=fn_tool(), tool_choice="required", param="tool_choice"),
+    chat("functions-legacy", functions=[{"name": "f"}], param="functions"),
+    chat("response_format-json", response_format={"type": "json_object"}, param="response_format"),
+    chat("logprobs", logprobs=True, param="logprobs"),
+    # -- credentials
+    Bad("auth-missing", CHAT, {"messages": MSGS, "max_tokens": 1}, status=401, auth=False),
+    Bad(
+        "auth-wrong-key",
+        CHAT,
+        {"messages": MSGS, "max_tokens": 1},
+        status=401,
+        auth=False,
+        headers=(("Authorization", "Bearer sk-nobody"),),
+    ),
+    Bad(
+        "auth-basic-scheme",
+        CMPL,
+        {"prompt": "hi"},
+        status=401,
+        auth=False,
+        headers=(("Authorization", f"Basic {ALICE}"),),
+    ),
+    Bad(
+        "auth-bearer-no-token",
+        CMPL,
+        {"prompt": "hi"},
+        status=401,
+        auth=False,
+        headers=(("Authorization", "Bearer"),),
+    ),
+    Bad(
+        "auth-key-not-ascii",
+        CMPL,
+        {"prompt": "hi"},
+        status=401,
+        auth=False,
+        headers=(("Authorization", "Bearer sk-\xe9\xe8"),),
+    ),
+    Bad("auth-on-models", "/v1/models", None, status=401, method="GET", auth=False),
+    # -- routes and methods
+    Bad("method-get-on-chat", CHAT, None, status=405, method="GET"),
+    Bad("method-put-on-completions", CMPL, {"prompt": "hi"}, status=405, method="PUT"),
+    Bad("path-unknown", "/v1/engines/davinci/completions", {"prompt": "hi"}, status=404),
+    Bad("model-card-unknown", "/v1/models/gpt-4o", None, status=404, method="GET"),
+    Bad("usage-without-start", "/v1/usage", None, method="GET", param="start_time"),
+    Bad("usage-start-not-int", "/v1/usage?start_time=yesterday", None, method="GET", param="start_time"),
+    Bad(
+        "usage-bucket-unknown",
+        "/v1/usage?start_time=0&bucket_width=1y",
+        None,
+        method="GET",
+        param="bucket_width",
+    ),
+    Bad("usage-other-tenant", "/v1/usage?start_time=0&tenant_id=bob", None, method="GET", param="tenant_id"),
+]
+
+# Two Authorization headers are an ambiguous credential (RFC 9110 5.3: a field that is not a list
+# must not be repeated): which tenant runs the request must not depend on header order.
+DOUBLED_AUTH = [
+    Bad(
+        "auth-doubled-two-tenants",
+        CMPL,
+        {"prompt": "hi", "max_tokens": 1},
+        status=400,
+        auth=False,
+        headers=(("Authorization", f"Bearer {ALICE}"), ("Authorization", f"Bearer {BOB}")),
+    ),
+    Bad(
+        "auth-doubled-valid-then-wrong",
+        CMPL,
+        {"prompt": "hi", "max_tokens": 1},
+        status=400,
+        auth=False,
+        headers=(("Authorization", f"Bearer {ALICE}"), ("Authorization", "Bearer sk-nobody")),
+    ),
+    Bad(
+        "auth-doubled-same-key",
+        CMPL,
+        {"prompt": "hi", "max_tokens": 1},
+        status=400,
+        auth=False,
+        headers=(("Authorization", f"Bearer {ALICE}"), ("Authorization", f"Bearer {ALICE}")),
+    ),
+]
