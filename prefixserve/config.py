@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "bf16", "fp32")
+DECODE_KERNELS = ("auto", "dense", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,10 +16,16 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when present, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # None = torch's default
+    # decode rows' matmuls: int4 = the GGUF's 4-bit codes (bf16 CPU; 4x fewer bytes, but a decoded
+    # token's KV then differs from a prefilled one, so finished turns are not cached); dense = the
+    # same weights as prefill; auto = int4 where available
+    decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, not {self.decode_kernel!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

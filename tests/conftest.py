@@ -11,18 +11,22 @@ _MODELS: dict[str, object] = {}
 IN_PROCESS_THREADS = 1
 
 
-def load_embedded(dtype: str):
-    """The embedded SmolLM2 as (LoadedModel, ModelRunner), cached across tests. dtype: 'fp32' | 'bf16'."""
-    if dtype not in _MODELS:
+def load_embedded(mode: str):
+    """The embedded SmolLM2 as (LoadedModel, ModelRunner), cached across tests.
+
+    mode: 'fp32' | 'bf16' (both with dense decode) | 'int4' (bf16, 4-bit decode rows: the server's
+    default on CPUs with native bf16)."""
+    if mode not in _MODELS:
         from prefixserve.models import load_model
         from prefixserve.runner import ModelRunner
 
-        m = load_model(None, torch.float32 if dtype == "fp32" else torch.bfloat16)
-        _MODELS[dtype] = (m, ModelRunner(m.decoder, IN_PROCESS_THREADS))
-    return _MODELS[dtype]
+        dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+        m = load_model(None, dtype, decode_kernel="int4" if mode == "int4" else "dense")
+        _MODELS[mode] = (m, ModelRunner(m.decoder, IN_PROCESS_THREADS))
+    return _MODELS[mode]
 
 
-@pytest.fixture(scope="session", params=["fp32", "bf16"])
+@pytest.fixture(scope="session", params=["fp32", "bf16", "int4"])
 def embedded(request):
     return load_embedded(request.param)
 

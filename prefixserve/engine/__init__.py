@@ -31,7 +31,7 @@ def build_engine(
         torch.set_num_threads(model_config.num_threads)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
-    loaded = load_model(model_config.path, dtype, device)
+    loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel)
     runner = ModelRunner(loaded.decoder, model_config.num_threads)
     result = self_test(runner)
     (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
@@ -48,6 +48,7 @@ def build_engine(
         exact_reuse=result.ok,
     )
     model_id = model_config.served_model_name or loaded.name
-    log.info("model %s (%s, %s, %s), context %d tokens, %d threads", model_id, loaded.arch.arch, dtype, device,
-             max_len, torch.get_num_threads())
+    log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
+             dtype, device, max_len, torch.get_num_threads(),
+             "dense" if loaded.decoder.decode_matches_prefill else "int4 (finished turns are not cached)")
     return AsyncEngine(core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,7 +38,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._accepting = True
         self._stop = False
-        self._error: str | None = None
+        self._last_failure: str | None = None  # the last failed step (its requests failed; serving went on)
         core.emit = self._emit
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
         self._thread.start()
@@ -86,11 +87,12 @@ class AsyncEngine:
 
     def health(self) -> EngineHealth:
         return EngineHealth(
-            ok=self._error is None and self._thread.is_alive(),
+            ok=self._thread.is_alive(),
             exact_reuse=self.core.exact_reuse,
-            detail=self._error or self._selftest_detail,
+            detail=self._selftest_detail + (f"; last failed step: {self._last_failure}" if self._last_failure else ""),
             num_running=self.core.num_running(),
             num_waiting=self.core.num_waiting(),
+            decode_kernel="dense" if self.core.runner.decoder.decode_matches_prefill else "int4",
         )
 
     def metrics(self) -> dict[str, float]:
@@ -159,7 +161,7 @@ class AsyncEngine:
                 self.core.step()
             except Exception as e:  # a bug or OOM: fail what is running, keep serving
                 log.exception("engine step failed")
-                self._error = None
+                self._last_failure = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {type(e).__name__}: {e}"
                 self.core.abort_all(FinishReason.ERROR)
                 log.error("failed all running requests after: %s", e)
 

@@ -106,7 +106,7 @@ class EngineCore:
         budget = self.config.max_batch_tokens
         for s in self.running:
             if s.phase is Phase.DECODE and s.request.request_id in self._pending:
-                items.append(StepItem(s.state, [self._pending.pop(s.request.request_id)]))  # type: ignore[arg-type]
+                items.append(StepItem(s.state, [self._pending.pop(s.request.request_id)], decode=True))  # type: ignore[arg-type]
                 decoding.append(s)
                 budget -= 1
         for s in self.running:
@@ -254,9 +254,13 @@ class EngineCore:
         s.state = None  # free the session's KV now
 
     def _offer_turn(self, s: Session) -> None:
-        """Cache prompt + reply so the next turn of the conversation hits its own history."""
+        """Cache prompt + reply so the next turn of the conversation hits its own history. Only when
+        decoding gives a token the bits prefilling it would (no 4-bit decode weights): otherwise the
+        reply's KV differs from a recomputation's, and the turn's prompt entry is all we may offer."""
         st = s.state
         if not self.config.offer_finished_turns or st is None or st.num_tokens <= s.prompt_len:
+            return
+        if not self.runner.decoder.decode_matches_prefill:
             return
         ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
         if self.exact_reuse and self.cache.config.max_bytes > 0:

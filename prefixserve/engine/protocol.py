@@ -18,6 +18,7 @@ class EngineHealth:
     detail: str
     num_running: int
     num_waiting: int
+    decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/quant.py)
 
 
 class TokenizerLike(Protocol):

@@ -21,7 +21,9 @@ from prefixserve.models.layers import (
     inv_linear,
     rms_norm,
     rope_tables,
+    single_query_attention,
 )
+from prefixserve.models.quant import Int4Weight, int4_linear
 
 
 @dataclass(slots=True)
@@ -35,6 +37,11 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (qwen3)
     k_norm: torch.Tensor | None = None
+    # 4-bit copies for decode rows (models/quant.py); None = decode rows use the dense weight too
+    qkv_q4: Int4Weight | None = None
+    o_q4: Int4Weight | None = None
+    gate_up_q4: Int4Weight | None = None
+    down_q4: Int4Weight | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +56,7 @@ class Segment:
     num_new: int
     kv: torch.Tensor
     want_logits: bool = True
+    decode: bool = False  # a generated token: runs the decode kernels (must precede prefill segments)
 
 
 class Decoder:
@@ -67,12 +75,33 @@ class Decoder:
         self.final_norm = final_norm
         self.lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
         self.min_rows = min_rows
+        self.lm_head_q4: Int4Weight | None = None
+        # set by weights.attach_int4: decode rows run 4-bit matmuls and `single_query_attention`,
+        # whose bits differ from prefill's (still batch-invariant)
+        self.int4_decode = False
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = 1.0 / (
             arch.rope_theta
             ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64, device=self.device).float() / arch.head_dim)
         )
+
+    @property
+    def decode_matches_prefill(self) -> bool:
+        """True when a decoded token's KV and logits have the bits prefilling it would give (no
+        4-bit decode path), so decode-produced states may be cached."""
+        return not self.int4_decode
+
+    def _linear(
+        self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None, nd: int
+    ) -> torch.Tensor:
+        """The first `nd` rows are decode rows (4-bit kernel when the layer has one), the rest prefill."""
+        if q4 is None or nd == 0:
+            return inv_linear(x, dense, bias, self.min_rows)
+        y = int4_linear(x[:nd], q4, bias)
+        if nd == x.shape[0]:
+            return y
+        return torch.cat([y, inv_linear(x[nd:], dense, bias, self.min_rows)])
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -82,6 +111,12 @@ class Decoder:
         one row per segment with want_logits (its last new position), in segment order.
         """
         a = self.arch
+        leading = 0  # decode segments lead the batch
+        while leading < len(segments) and segments[leading].decode:
+            leading += 1
+        if any(s.decode for s in segments[leading:]):
+            raise ValueError("decode segments must precede prefill segments")
+        nd = sum(s.num_new for s in segments[:leading])
         positions = torch.cat(
             [torch.arange(s.start, s.start + s.num_new, device=self.device) for s in segments]
         )
@@ -89,7 +124,7 @@ class Decoder:
         h = self.embed[token_ids]  # [num_tokens, hidden]
         for li, lw in enumerate(self.layers):
             x = rms_norm(h, lw.attn_norm, a.rms_eps)
-            qkv = inv_linear(x, lw.qkv, lw.qkv_bias, self.min_rows)
+            qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, nd)
             q = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
             k = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
             v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
@@ -99,21 +134,28 @@ class Decoder:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             attn = self._attention(li, q, k, v, segments)
-            h = h + inv_linear(attn, lw.o_proj, None, self.min_rows)
+            h = h + self._linear(attn, lw.o_proj, None, lw.o_q4, nd)
             x = rms_norm(h, lw.mlp_norm, a.rms_eps)
-            gu = inv_linear(x, lw.gate_up, None, self.min_rows)
+            gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, nd)
             gate, up = gu.split(a.intermediate_size, dim=-1)
-            h = h + inv_linear(F.silu(gate) * up, lw.down, None, self.min_rows)
+            h = h + self._linear(F.silu(gate) * up, lw.down, None, lw.down_q4, nd)
         last_rows: list[int] = []
+        nd_logits = 0
         offset = 0
         for s in segments:
             offset += s.num_new
             if s.want_logits:
                 last_rows.append(offset - 1)
+                nd_logits += s.decode
         if not last_rows:
             return torch.empty(0, a.vocab_size)
         x = rms_norm(h[last_rows], self.final_norm, a.rms_eps)
-        return inv_linear(x, self.lm_head, None, self.min_rows).float()
+        if self.lm_head_q4 is None or nd_logits == 0:
+            return inv_linear(x, self.lm_head, None, self.min_rows).float()
+        y = int4_linear(x[:nd_logits], self.lm_head_q4, out_dtype=torch.float32)
+        if nd_logits == x.shape[0]:
+            return y
+        return torch.cat([y, inv_linear(x[nd_logits:], self.lm_head, None, self.min_rows).float()])
 
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]
@@ -131,7 +173,9 @@ class Decoder:
             kv[0, :, s.start : end - offset + s.start] = k[offset:end].transpose(0, 1)
             kv[1, :, s.start : end - offset + s.start] = v[offset:end].transpose(0, 1)
             rows.append((offset, end))
-            if s.num_new == 1:
+            if s.decode and self.int4_decode:
+                outs[i] = single_query_attention(q[offset], kv[0], kv[1], s.start + 1)
+            elif s.num_new == 1:
                 singles.append(i)
             else:
                 outs[i] = block_attention(q[offset:end], kv[0], kv[1], s.start, self.min_rows)

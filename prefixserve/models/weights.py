@@ -8,8 +8,10 @@ import torch
 
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder, LayerWeights
+from prefixserve.models.quant import Codes, Int4Weight, pack
 
 GetTensor = Callable[[str], "torch.Tensor | None"]  # HF name -> fp32 tensor, or None when absent
+GetCodes = Callable[[str], "list[Codes] | None"]  # HF name -> 4-bit codes (models/quant.py), or None
 
 
 def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: str, min_rows: int) -> Decoder:
@@ -62,3 +64,29 @@ def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: 
         lm_head = cast(need("lm_head.weight", (arch.vocab_size, hid)))
     final_norm = cast(need("model.norm.weight", (hid,)))
     return Decoder(arch, embed, layers, final_norm, lm_head, min_rows)
+
+
+def attach_int4(decoder: Decoder, get: GetCodes) -> int:
+    """Give every linear layer whose GGUF codes the int4 kernel takes a 4-bit copy for decode rows.
+    Returns how many of the model's linear weights got one (the rest decode dense)."""
+    arch = decoder.arch
+
+    def fused(*names: str) -> Int4Weight | None:
+        pieces = [get(n) for n in names]
+        if any(p is None for p in pieces):
+            return None
+        return pack(pieces)  # type: ignore[arg-type]
+
+    count = 0
+    for i, lw in enumerate(decoder.layers):
+        p = f"model.layers.{i}."
+        lw.qkv_q4 = fused(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+        lw.o_q4 = fused(p + "self_attn.o_proj.weight")
+        lw.gate_up_q4 = fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        lw.down_q4 = fused(p + "mlp.down_proj.weight")
+        count += sum(w is not None for w in (lw.qkv_q4, lw.o_q4, lw.gate_up_q4, lw.down_q4))
+    head = "model.embed_tokens.weight" if arch.tie_embeddings else "lm_head.weight"
+    decoder.lm_head_q4 = fused(head)
+    count += decoder.lm_head_q4 is not None
+    decoder.int4_decode = count > 0
+    return count

@@ -18,6 +18,7 @@ class StepItem:
     state: SessionState
     token_ids: Sequence[int]
     want_logits: bool = True
+    decode: bool = False  # one generated token (decode kernels); False = prompt tokens (prefill kernels)
 
 
 class ModelRunner:
@@ -42,11 +43,12 @@ class ModelRunner:
         want_logits hold the fp32 logits of their new last position, the others hold none."""
         if not items:
             return
+        items = sorted(items, key=lambda it: not it.decode)  # decode rows lead (stable: order kept)
         segments = []
         for it in items:
-            assert len(it.token_ids) > 0
+            assert len(it.token_ids) > 0 and (not it.decode or len(it.token_ids) == 1)
             it.state.reserve(it.state.num_tokens + len(it.token_ids))
-            segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits))
+            segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits, it.decode))
         ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.decoder.device)
         logits = self.decoder.forward(ids, segments).clone()  # a normal tensor, not an inference tensor
         row = 0

@@ -51,7 +51,22 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234
     runner.step([StepItem(o1, other[:-2])])
     o2 = runner.new_state()
     runner.step([StepItem(o1, other[-2:-1]), StepItem(st, ids[-1:]), StepItem(o2, other, want_logits=False)])
-    return torch.equal(st.logits, ref)  # type: ignore[arg-type]
+    if not torch.equal(st.logits, ref):  # type: ignore[arg-type]
+        return False
+    # decode rows (4-bit kernels where the model has them): alone vs among other decode rows and
+    # a prefill chunk
+    token = int(torch.argmax(ref))
+    alone = runner.new_state()
+    runner.step([StepItem(alone, ids)])
+    runner.step([StepItem(alone, [token], decode=True)])
+    o3 = runner.new_state()
+    runner.step([StepItem(o3, other[:-4])])
+    o4 = runner.new_state()
+    runner.step([
+        StepItem(o4, other[:9]), StepItem(o3, [other[-4]], decode=True), StepItem(st, [token], decode=True),
+        StepItem(o1, [other[-1]], decode=True),
+    ])
+    return torch.equal(st.logits, alone.logits)  # type: ignore[arg-type]
 
 
 def self_test(runner: ModelRunner) -> SelfTestResult:

@@ -80,6 +80,7 @@ def create_app(
             "status": "ok" if h.ok else "unhealthy",
             "ok": h.ok,
             "exact_reuse": h.exact_reuse,
+            "decode_kernel": h.decode_kernel,
             "detail": h.detail,
             "running": h.num_running,
             "waiting": h.num_waiting,

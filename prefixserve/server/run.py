@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixserve.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from prefixserve.config import DECODE_KERNELS, DTYPES, CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 
@@ -55,6 +55,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_model_len": ("PREFIXSERVE_MAX_MODEL_LEN", int, None),
     "dtype": ("PREFIXSERVE_DTYPE", str, "auto"),
     "device": ("PREFIXSERVE_DEVICE", str, "auto"),
+    "decode_kernel": ("PREFIXSERVE_DECODE_KERNEL", str, "auto"),
     "num_threads": ("PREFIXSERVE_NUM_THREADS", int, None),
     "max_num_seqs": ("PREFIXSERVE_MAX_NUM_SEQS", int, EngineConfig().max_num_seqs),
     "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
@@ -97,6 +98,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
+    a("--decode-kernel", choices=DECODE_KERNELS,
+      help="decode matmuls: int4 reads the GGUF's 4-bit weights (bf16 CPU; finished chat turns are then not "
+           "cached), dense uses prefill's weights (PREFIXSERVE_DECODE_KERNEL; default auto = int4 where possible)")
     a("--num-threads", type=int, metavar="N", help="torch threads (PREFIXSERVE_NUM_THREADS)")
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
@@ -136,6 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=s["served_model_name"],
             dtype=s["dtype"],
             device=s["device"],
+            decode_kernel=s["decode_kernel"],
             max_model_len=s["max_model_len"],
             num_threads=s["num_threads"],
         )

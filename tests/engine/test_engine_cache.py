@@ -22,8 +22,9 @@ SYSTEM = "You are Atlas, the support assistant of Northwind Outfitters. " + " ".
 )
 
 
-def make_engine(max_bytes: int, dtype: str = "bf16", chunk: int = 128) -> AsyncEngine:
-    model, runner = load_embedded(dtype)
+def make_engine(max_bytes: int, mode: str = "int4", chunk: int = 128) -> AsyncEngine:
+    """mode: see tests/conftest.py; int4 is what the server runs by default on this CPU."""
+    model, runner = load_embedded(mode)
     core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=max_bytes)),
                       EngineConfig(prefill_chunk_tokens=chunk, max_batch_tokens=256), 2048, lambda r, d: None)
     return AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
@@ -80,8 +81,10 @@ def test_learning_sequence_and_exact_outputs():
     assert cached.core.cache.check_integrity() is None
 
 
-def test_next_chat_turn_hits_its_own_history():
-    engine = make_engine(1 << 30)
+@pytest.mark.parametrize("mode", ["bf16", "int4"])
+def test_next_chat_turn_hits_its_own_history(mode):
+    engine = make_engine(1 << 30, mode)
+    plain = make_engine(0, mode)
     tok = engine.tokenizer
     ns = Namespace("smol", "t")
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi! Who are you?"}]
@@ -91,13 +94,19 @@ def test_next_chat_turn_hits_its_own_history():
         reply = tok.decode(out)
         second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Thanks."}]
         ids2 = tok.render_chat(second)
-        _, u2 = await run(engine, ids2, ns)
+        out2, u2 = await run(engine, ids2, ns)
+        ref2, _ = await run(plain, ids2, ns)
         await engine.shutdown()
-        return u1, u2, len(tok.render_chat(first)) + len(out)
+        await plain.shutdown()
+        return u1, u2, len(tok.render_chat(first)), len(out), out2 == ref2
 
-    u1, u2, turn_len = asyncio.run(go())
+    u1, u2, prompt_len, reply_len, same = asyncio.run(go())
     assert u1.cached_tokens == 0
-    assert u2.cached_tokens >= turn_len - 2  # the reply (minus its last, unfed token) came from the cache
+    if mode == "bf16":  # dense decode: the reply's KV is as good as a prefill's, so the turn was cached
+        assert u2.cached_tokens >= prompt_len + reply_len - 2  # minus the reply's last, unfed token
+    else:  # 4-bit decode: the reply's KV has other bits than a recomputation, so only the prompt hits
+        assert u2.cached_tokens == prompt_len
+    assert same  # and either way the cached second turn answers exactly like an uncached one
 
 
 def test_concurrent_sessions_share_one_entry_and_stay_exact():
