@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
-from prefixserve.engine.async_engine import AsyncEngine
+from prefixserve.engine.async_engine import AsyncEngine, TorchThread
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineClient, EngineHealth
 
@@ -20,6 +21,21 @@ def build_engine(
     """Load the model, run the invariance self-test, and start the engine thread.
 
     Raises models.ModelLoadError (with a clear message) when the model cannot be loaded."""
+    thread = TorchThread()
+    try:
+        core, model_id, tokenizer, detail, vocab_size = thread.call(
+            lambda: _build_core(model_config, cache_config, engine_config)
+        )
+    except BaseException:
+        thread.close()
+        raise
+    return AsyncEngine(core, model_id, tokenizer, detail, vocab_size, thread)
+
+
+def _build_core(
+    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig
+) -> tuple[EngineCore, str, Any, str, int]:
+    """Runs on the engine's TorchThread, which all later torch work uses too."""
     import torch
 
     from prefixserve.cache import PrefixCache
@@ -51,4 +67,4 @@ def build_engine(
     log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
              dtype, device, max_len, torch.get_num_threads(),
              "dense" if loaded.decoder.decode_matches_prefill else "int4 (finished turns are not cached)")
-    return AsyncEngine(core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size)
+    return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size

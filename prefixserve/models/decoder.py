@@ -140,22 +140,19 @@ class Decoder:
             gate, up = gu.split(a.intermediate_size, dim=-1)
             h = h + self._linear(F.silu(gate) * up, lw.down, None, lw.down_q4, nd)
         last_rows: list[int] = []
-        nd_logits = 0
         offset = 0
         for s in segments:
             offset += s.num_new
             if s.want_logits:
                 last_rows.append(offset - 1)
-                nd_logits += s.decode
         if not last_rows:
             return torch.empty(0, a.vocab_size)
         x = rms_norm(h[last_rows], self.final_norm, a.rms_eps)
-        if self.lm_head_q4 is None or nd_logits == 0:
-            return inv_linear(x, self.lm_head, None, self.min_rows).float()
-        y = int4_linear(x[:nd_logits], self.lm_head_q4, out_dtype=torch.float32)
-        if nd_logits == x.shape[0]:
-            return y
-        return torch.cat([y, inv_linear(x[nd_logits:], self.lm_head, None, self.min_rows).float()])
+        if self.lm_head_q4 is not None:
+            # every logits row, prefill's too: no KV depends on it, and its rows are batch-invariant,
+            # so cached and recomputed logits still agree; it saves a 16-row dense matmul per prefill
+            return int4_linear(x, self.lm_head_q4, out_dtype=torch.float32)
+        return inv_linear(x, self.lm_head, None, self.min_rows).float()
 
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]

@@ -117,7 +117,9 @@ def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4):
 
     st_d = start(dense, prompts[0])
     st_q = start(runner, prompts[0])
-    assert torch.equal(st_d.logits, st_q.logits)  # prefill is the same dense path in both
+    n = len(prompts[0])
+    assert torch.equal(st_d.kv[..., :n, :], st_q.kv[..., :n, :])  # prefill is the same dense path in both
+    assert F.cosine_similarity(st_d.logits, st_q.logits, dim=0) > 0.999  # only the 4-bit lm_head differs
     for _ in range(4):  # same fed tokens: the 4-bit decode logits stay close to the dense ones
         token = int(torch.argmax(st_d.logits))
         dense.step([StepItem(st_d, [token], decode=True)])
