@@ -38,7 +38,7 @@ class TorchThread:
             fn, fut = job
             try:
                 fut.set_result(fn())
-            except BaseException as e:  # handed to the caller of call()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of call()
                 fut.set_exception(e)
 
     def call(self, fn: Callable[[], T]) -> T:
