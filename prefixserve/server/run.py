@@ -200,6 +200,11 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
     server.run()
+    # Drained and closed. A further SIGTERM (a supervisor repeating itself) must not turn this
+    # clean exit into a death by signal: Python resets handlers to the default while it
+    # finalises, but leaves SIG_IGN in place.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     return 0 if server.started else 1
 
 
