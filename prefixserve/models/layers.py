@@ -99,12 +99,19 @@ def fixed_tree_sum(x: torch.Tensor) -> torch.Tensor:
 
     Appending zero slices never changes the result (a pair with a zero partner passes its value
     through unchanged, and all-zero pairs stay zero), so a query row's sum is the same whatever
-    the total key length of the call.
+    the total key length of the call. An odd last slice is passed through as it is (the value
+    adding a zero partner would give), written into the level's output rather than concatenated:
+    the concatenation copied the whole tensor at every odd level (30 of 207 ms in a 23-token
+    prefill at 2,000 tokens of context).
     """
     while x.shape[1] > 1:
-        if x.shape[1] % 2:
-            x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
-        x = x[:, 0::2] + x[:, 1::2]
+        n = x.shape[1]
+        half = n // 2
+        y = x.new_empty(x.shape[0], n - half, *x.shape[2:])
+        torch.add(x[:, 0 : 2 * half : 2], x[:, 1 : 2 * half : 2], out=y[:, :half])
+        if n % 2:
+            y[:, half] = x[:, n - 1]
+        x = y
     return x[:, 0]
 
 
