@@ -48,8 +48,11 @@ class TorchThread:
         return fut.result()
 
     def run_last(self, fn: Callable[[], Any]) -> None:
-        """Run fn on the thread without waiting; the thread ends when it returns."""
-        self._jobs.put((fn, Future()))
+        """Run fn on the thread without waiting; the thread ends when it returns (an exception it
+        raises is logged: nobody waits for its result)."""
+        fut: Future[Any] = Future()
+        fut.add_done_callback(_log_failure)
+        self._jobs.put((fn, fut))
         self._jobs.put(None)
 
     def close(self) -> None:
@@ -61,6 +64,11 @@ class TorchThread:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+
+def _log_failure(fut: Future[Any]) -> None:
+    if (e := fut.exception()) is not None:
+        log.error("the engine thread ended with %s: %s", type(e).__name__, e, exc_info=e)
 
 
 class AsyncEngine:
@@ -138,7 +146,7 @@ class AsyncEngine:
             detail=self._selftest_detail + (f"; last failed step: {self._last_failure}" if self._last_failure else ""),
             num_running=self.core.num_running(),
             num_waiting=self.core.num_waiting(),
-            decode_kernel="dense" if self.core.runner.decoder.decode_matches_prefill else "int4",
+            decode_kernel=self.core.runner.decoder.decode_kernel,
         )
 
     def metrics(self) -> dict[str, float]:

@@ -92,6 +92,11 @@ class Decoder:
         4-bit decode path), so decode-produced states may be cached."""
         return not self.int4_decode
 
+    @property
+    def decode_kernel(self) -> str:
+        """"int4" or "dense": what decode rows run (`--decode-kernel`, /health)."""
+        return "int4" if self.int4_decode else "dense"
+
     def _linear(
         self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None, nd: int
     ) -> torch.Tensor:

@@ -25,7 +25,6 @@ import torch
 
 GROUP = 32  # GGUF's block size, and the kernel's group size
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-SUPPORTED = tuple(_BLOCK_BYTES)
 
 
 @dataclass(slots=True)
@@ -43,10 +42,6 @@ class Int4Weight:
 
     parts: list[tuple[torch.Tensor, torch.Tensor]]  # (packed codes, scales_and_zeros [K/G, N_pad, 2] bf16)
     out_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.parts)
 
 
 def available(dtype: torch.dtype, device: str) -> bool:

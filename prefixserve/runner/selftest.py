@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.runner.runner import ModelRunner, StepItem
+from prefixserve.runner.state import SessionState
 
 CANDIDATE_MIN_ROWS = (16, 32, 64)
 
@@ -32,18 +33,19 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234
     ids = torch.randint(0, vocab, (num_tokens,), generator=g).tolist()
     other = torch.randint(0, vocab, (num_tokens // 2 + 3,), generator=g).tolist()
 
-    def run(splits: list[int]) -> torch.Tensor:
+    def run(splits: list[int]) -> SessionState:
         st = runner.new_state()
         prev = 0
         for sp in [*splits, num_tokens]:
             runner.step([StepItem(st, ids[prev:sp])])
             prev = sp
         assert st.logits is not None
-        return st.logits
+        return st
 
-    ref = run([])
+    alone = run([])
+    ref = alone.logits.clone()  # type: ignore[union-attr]
     for splits in ([1], [29], [num_tokens - 1], [5, 6, 33]):
-        if not torch.equal(run(splits), ref):
+        if not torch.equal(run(splits).logits, ref):  # type: ignore[arg-type]
             return False
     st = runner.new_state()
     runner.step([StepItem(st, ids[:-1])])
@@ -56,8 +58,6 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234
     # decode rows (4-bit kernels where the model has them): alone vs among other decode rows and
     # a prefill chunk
     token = int(torch.argmax(ref))
-    alone = runner.new_state()
-    runner.step([StepItem(alone, ids)])
     runner.step([StepItem(alone, [token], decode=True)])
     o3 = runner.new_state()
     runner.step([StepItem(o3, other[:-4])])
