@@ -147,6 +147,8 @@ class AsyncEngine:
             num_running=self.core.num_running(),
             num_waiting=self.core.num_waiting(),
             decode_kernel=self.core.runner.decoder.decode_kernel,
+            dtype=str(self.core.runner.decoder.dtype).removeprefix("torch."),
+            tiles=str(self.core.runner.decoder.tiles),
         )
 
     def metrics(self) -> dict[str, float]:

@@ -81,6 +81,8 @@ def create_app(
             "ok": h.ok,
             "exact_reuse": h.exact_reuse,
             "decode_kernel": h.decode_kernel,
+            "dtype": h.dtype,
+            "tiles": h.tiles,
             "detail": h.detail,
             "running": h.num_running,
             "waiting": h.num_waiting,
