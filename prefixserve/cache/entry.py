@@ -88,3 +88,12 @@ class InsertResult:
     def stored(self) -> bool:
         """The state passed in is now cached (the caller must not mutate it from here on)."""
         return self.status in (InsertStatus.INSERTED, InsertStatus.REPLACED)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """What `PrefixCache.flush` dropped: entries, and the bytes no longer counted (shared storage
+    once; storage still held by an entry that was kept is not counted as gone)."""
+
+    num_entries: int = 0
+    num_bytes: int = 0

@@ -12,8 +12,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from prefixserve.engine.core import EngineCore
-from prefixserve.engine.protocol import EngineHealth, TokenizerLike
-from prefixserve.types import Delta, FinishReason, InvalidRequest, PromptTooLong, Request
+from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
+from prefixserve.types import Delta, FinishReason, FlushScope, InvalidRequest, PromptTooLong, Request
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
@@ -139,6 +139,13 @@ class AsyncEngine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
+    async def flush_cache(self, scope: FlushScope) -> FlushReport:
+        """Forget the namespaces `scope` selects in every tier; runs on the engine thread between
+        steps (all cache mutation happens there). The caller has checked who may flush what."""
+        fut: Future[FlushReport] = Future()
+        self._submit("call", (lambda: self.core.flush(scope), fut))
+        return await asyncio.wrap_future(fut)
+
     def health(self) -> EngineHealth:
         return EngineHealth(
             ok=self._thread.is_alive(),
@@ -231,3 +238,9 @@ class AsyncEngine:
                 self.core.abort(arg)
             elif kind == "abort_all":
                 self.core.abort_all()
+            elif kind == "call":  # a function to run on this thread, its result to a Future
+                fn, fut = arg
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+                    fut.set_exception(e)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.config import EngineConfig
 from prefixserve.engine.detok import IncrementalDetokenizer
-from prefixserve.engine.protocol import TokenizerLike
+from prefixserve.engine.protocol import FlushReport, TierFlush, TokenizerLike
 from prefixserve.engine.session import Phase, Session
 from prefixserve.runner import ModelRunner, StepItem, make_generator, sample
-from prefixserve.types import Delta, FinishReason, Request
+from prefixserve.types import Delta, FinishReason, FlushScope, Request
 
 log = logging.getLogger("prefixserve.engine")
 
@@ -90,6 +90,16 @@ class EngineCore:
             if s in self.waiting:
                 self.waiting.remove(s)
             self._finish(s, reason)
+
+    def flush(self, scope: FlushScope) -> FlushReport:
+        """Forget the namespaces `scope` selects in every tier. Sessions of those namespaces already
+        running keep what they copied but insert nothing more, so nothing computed before the flush
+        is cached after it."""
+        ram = self.cache.flush(scope.selects)
+        for s in [*self.waiting, *self.running]:
+            if scope.selects(s.request.namespace):
+                s.cacheable = False
+        return FlushReport((TierFlush("ram", ram.num_entries, ram.num_bytes),))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -190,7 +200,7 @@ class EngineCore:
         s.to_insert.clear()
 
     def _insert(self, s: Session, num_tokens: int) -> None:
-        if not self.exact_reuse or self.cache.config.max_bytes == 0:
+        if not self.exact_reuse or self.cache.config.max_bytes == 0 or not s.cacheable:
             return
         assert s.state is not None and num_tokens <= s.state.num_tokens
         self.cache.insert(s.request.namespace, s.request.prompt_ids[:num_tokens], s.state.snapshot(num_tokens))
