@@ -16,7 +16,7 @@ from prefixserve.cache.index import RadixIndex, _require
 from prefixserve.cache.room import plan_room
 from prefixserve.cache.state import CachedState
 from prefixserve.cache.stats import CacheStats, Counters, add_counters, snapshot
-from prefixserve.cache.storage import Pieces, StorageLedger, validate_pieces
+from prefixserve.cache.storage import StorageLedger, validate_pieces
 from prefixserve.config import CacheConfig
 from prefixserve.types import Namespace
 
