@@ -17,7 +17,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixserve.config import DECODE_KERNELS, DTYPES, CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from prefixserve.config import (
+    DECODE_KERNELS,
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+    default_data_dir,
+)
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 
@@ -60,7 +68,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_num_seqs": ("PREFIXSERVE_MAX_NUM_SEQS", int, EngineConfig().max_num_seqs),
     "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
     "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
-    "data_dir": ("PREFIXSERVE_DATA_DIR", str, "data"),
+    "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
     "pricing": ("PREFIXSERVE_PRICING", str, None),
     "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
@@ -105,7 +113,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
-    a("--data-dir", metavar="DIR", help="created at start (PREFIXSERVE_DATA_DIR; default data)")
+    a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
+      "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     a(
         "--ledger-path",
         metavar="PATH",
@@ -150,7 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_batch_tokens=s["max_batch_tokens"],
             max_num_seqs=s["max_num_seqs"],
         )
-        data_dir = Path(s["data_dir"])
+        data_dir = Path(s["data_dir"] or default_data_dir(env))
         server_config = ServerConfig(
             host=s["host"],
             port=s["port"],
