@@ -134,6 +134,12 @@ class PrefixCache:
         status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
         return InsertResult(status, entry, len(victims), num_evicted_bytes)
 
+    def entry_lengths(self, ns: Namespace, token_ids: Sequence[int]) -> list[int]:
+        """Lengths of `ns`'s entries that are proper prefixes of `token_ids`, shortest first: where a
+        new state's shared storage should have piece edges. Does not mutate (not even recency)."""
+        space = self._spaces.get(ns)
+        return [] if space is None else space.index.entry_lengths(tuple(token_ids))
+
     def evict(self, num_bytes: int) -> int:
         """Evict least recently used unpinned entries until at least `num_bytes` are freed or none
         is left; return the bytes freed (entries sharing storage may free less each). Mutates.

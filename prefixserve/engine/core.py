@@ -17,6 +17,7 @@ from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.protocol import FlushReport, TierFlush, TokenizerLike
 from prefixserve.engine.session import Phase, Session
 from prefixserve.runner import ModelRunner, StepItem, make_generator, sample
+from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import Delta, FinishReason, FlushScope, Request
 
 log = logging.getLogger("prefixserve.engine")
@@ -60,6 +61,7 @@ class EngineCore:
         self.running: list[Session] = []
         self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
         self.counters = EngineCounters()
+        self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -203,7 +205,10 @@ class EngineCore:
         if not self.exact_reuse or self.cache.config.max_bytes == 0 or not s.cacheable:
             return
         assert s.state is not None and num_tokens <= s.state.num_tokens
-        self.cache.insert(s.request.namespace, s.request.prompt_ids[:num_tokens], s.state.snapshot(num_tokens))
+        ns, key = s.request.namespace, s.request.prompt_ids[:num_tokens]
+        # piece edges at the cached entries on this key's path: their pieces are shared, not copied
+        snap = self.pieces.snapshot(s.state, key, ns, self.cache.entry_lengths(ns, key))
+        self.cache.insert(ns, key, snap)
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 
