@@ -39,10 +39,16 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     max_bytes: int = 2 << 30  # one global budget across all namespaces; 0 disables caching
+    disk_dir: str | None = None  # the disk tier's directory (docs/cache.md)
+    disk_max_bytes: int = 0  # the disk tier's budget; 0 = no disk tier
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
             raise ValueError("cache max_bytes must be >= 0")
+        if self.disk_max_bytes < 0:
+            raise ValueError("cache disk_max_bytes must be >= 0")
+        if self.disk_max_bytes and not self.disk_dir:
+            raise ValueError("a disk tier needs a directory")
 
 
 @dataclass(frozen=True, slots=True)

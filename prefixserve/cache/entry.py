@@ -83,6 +83,7 @@ class InsertResult:
     entry: Entry | None  # what the cache holds for these tokens after the call (None if nothing)
     num_evicted: int = 0  # entries evicted to make room
     num_evicted_bytes: int = 0  # bytes those evictions freed
+    evicted: tuple[Entry, ...] = ()  # the entries evicted, least recently used first
 
     @property
     def stored(self) -> bool:

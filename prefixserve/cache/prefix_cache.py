@@ -132,13 +132,21 @@ class PrefixCache:
         self._lru[entry] = None
         counters.num_insertions += 1
         status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
-        return InsertResult(status, entry, len(victims), num_evicted_bytes)
+        return InsertResult(status, entry, len(victims), num_evicted_bytes, tuple(victims))
 
     def entry_lengths(self, ns: Namespace, token_ids: Sequence[int]) -> list[int]:
         """Lengths of `ns`'s entries that are proper prefixes of `token_ids`, shortest first: where a
         new state's shared storage should have piece edges. Does not mutate (not even recency)."""
         space = self._spaces.get(ns)
         return [] if space is None else space.index.entry_lengths(tuple(token_ids))
+
+    def best_len(self, ns: Namespace, token_ids: Sequence[int]) -> int:
+        """How many tokens of the prompt `lookup` would serve now, without counting or touching
+        anything (for deciding whether a lower tier holds more). Does not mutate."""
+        space = self._spaces.get(ns)
+        if space is None or space.index.num_entries == 0:
+            return 0
+        return space.index.match(tuple(token_ids)).num_cached_tokens
 
     def evict(self, num_bytes: int) -> int:
         """Evict least recently used unpinned entries until at least `num_bytes` are freed or none
@@ -153,6 +161,11 @@ class PrefixCache:
                 break
             freed += self._evict_one(victim)
         return freed
+
+    def discard(self, entry: Entry) -> int:
+        """Forget one entry (pinned or not) if it is still cached; return the bytes freed. Mutates;
+        not counted as an eviction. For a lower tier dropping a file found corrupt."""
+        return self._drop(entry) if entry.is_cached else 0
 
     def pin(self, entry: Entry) -> None:
         """Keep `entry` from eviction until a matching `unpin`. Pins nest. Raises ValueError if the

@@ -182,6 +182,12 @@ class AsyncEngine:
             "engine_running": float(self.core.num_running()),
             "engine_waiting": float(self.core.num_waiting()),
             "engine_exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
+            # per tier (docs/cache.md): RAM's figures under their tier name, then the disk tier's
+            "cache_ram_hits": float(hits),
+            "cache_ram_bytes": float(self.core.cache.num_bytes),
+            "cache_ram_evictions": float(st.num_evictions),
+            "cache_ram_flushed": float(st.num_flushed),
+            **({f"cache_{k}": v for k, v in self.core.disk.stats().items()} if self.core.disk is not None else {}),
         }
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -194,6 +200,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10.0)
+        if self.core.disk is not None:  # land the queued write-through files before exiting
+            await asyncio.to_thread(self.core.disk.close, 30.0)
 
     # ---- engine thread ------------------------------------------------------------------------
 

@@ -9,9 +9,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from prefixserve.cache import Hit, PrefixCache
+from prefixserve.cache.disk import DiskTier
+from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.config import EngineConfig
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.protocol import FlushReport, TierFlush, TokenizerLike
@@ -23,6 +26,7 @@ from prefixserve.types import Delta, FinishReason, FlushScope, Request
 log = logging.getLogger("prefixserve.engine")
 
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
+MIN_DISK_GAIN_TOKENS = 32  # a disk entry must serve this many tokens more than RAM to be loaded
 
 Emit = Callable[[str, Delta], None]
 
@@ -49,6 +53,7 @@ class EngineCore:
         max_model_len: int,
         emit: Emit,
         exact_reuse: bool = True,
+        disk: DiskTier | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -62,6 +67,8 @@ class EngineCore:
         self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
         self.counters = EngineCounters()
         self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
+        self.disk = disk  # the disk tier (docs/cache.md), None when off
+        self.loading: list[tuple[Session, Future[Loaded | LoadFailed]]] = []  # waiting on a disk load
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -86,9 +93,15 @@ class EngineCore:
             if s.request.request_id == request_id:
                 self._finish(s, FinishReason.ABORT)
                 return
+        for s, fut in self.loading:
+            if s.request.request_id == request_id:
+                self.loading.remove((s, fut))
+                self._finish(s, FinishReason.ABORT)
+                return
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
-        for s in list(self.waiting) + list(self.running):
+        loading, self.loading = [s for s, _ in self.loading], []
+        for s in list(self.waiting) + list(self.running) + loading:
             if s in self.waiting:
                 self.waiting.remove(s)
             self._finish(s, reason)
@@ -98,13 +111,17 @@ class EngineCore:
         running keep what they copied but insert nothing more, so nothing computed before the flush
         is cached after it."""
         ram = self.cache.flush(scope.selects)
-        for s in [*self.waiting, *self.running]:
+        for s in [*self.waiting, *self.running, *(s for s, _ in self.loading)]:
             if scope.selects(s.request.namespace):
                 s.cacheable = False
-        return FlushReport((TierFlush("ram", ram.num_entries, ram.num_bytes),))
+        tiers = [TierFlush("ram", ram.num_entries, ram.num_bytes)]
+        if self.disk is not None:
+            disk = self.disk.flush(scope)
+            tiers.append(TierFlush("disk", disk.num_entries, disk.num_bytes))
+        return FlushReport(tuple(tiers))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
@@ -151,10 +168,42 @@ class EngineCore:
     # ---- admission: cache lookup and restore --------------------------------------------------
 
     def _admit(self) -> None:
+        if self.loading:
+            if not self.running and not self.waiting:  # nothing else to do: wait for a load, briefly
+                wait([f for _, f in self.loading], timeout=0.05, return_when=FIRST_COMPLETED)
+            self._collect_loads()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             s = self.waiting.popleft()
+            if self._load_from_disk(s):
+                continue
             self.running.append(s)
             self._start(s)
+
+    def _load_from_disk(self, s: Session) -> bool:
+        """Park the session while the disk tier loads an entry serving more of its prompt than RAM
+        can (the read runs on the tier's loader thread: other sessions keep stepping)."""
+        if self.disk is None or s.disk_checked or not self.exact_reuse or self.cache.config.max_bytes == 0:
+            return False
+        s.disk_checked = True
+        ns, ids = s.request.namespace, s.request.prompt_ids
+        hit = self.disk.lookup(ns, ids)
+        if hit is None or hit.num_cached_tokens < self.cache.best_len(ns, ids) + MIN_DISK_GAIN_TOKENS:
+            return False
+        self.loading.append((s, self.disk.load(hit)))
+        return True
+
+    def _collect_loads(self) -> None:
+        """Loaded entries go into RAM (sharing pieces as any insert) and their sessions back to the
+        front of the queue, where the RAM lookup now hits. A failed load is a miss."""
+        for s, fut in [(s, f) for s, f in self.loading if f.done()]:
+            self.loading.remove((s, fut))
+            result = fut.result()
+            if isinstance(result, Loaded) and s.cacheable:  # not if its namespace was flushed meanwhile
+                ns, key = s.request.namespace, result.token_ids
+                state = result.state.restore(len(key), 0)
+                snap = self.pieces.snapshot(state, key, ns, self.cache.entry_lengths(ns, key))
+                self.cache.insert(ns, key, snap)
+            self.waiting.appendleft(s)
 
     def _start(self, s: Session) -> None:
         req = s.request
@@ -208,7 +257,8 @@ class EngineCore:
         ns, key = s.request.namespace, s.request.prompt_ids[:num_tokens]
         # piece edges at the cached entries on this key's path: their pieces are shared, not copied
         snap = self.pieces.snapshot(s.state, key, ns, self.cache.entry_lengths(ns, key))
-        self.cache.insert(ns, key, snap)
+        if self.cache.insert(ns, key, snap).stored and self.disk is not None:
+            self.disk.offer(ns, key, snap)  # write-through, on the tier's writer thread
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 

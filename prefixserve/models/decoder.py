@@ -97,6 +97,12 @@ class Decoder:
         """"int4" or "dense": what decode rows run (`--decode-kernel`, /health)."""
         return "int4" if self.int4_decode else "dense"
 
+    def kernel_fingerprint(self) -> str:
+        """Everything of the runtime's own choices that changes a state's bits (dtype, decode kernel,
+        row padding), for the disk cache tier's file fingerprint (docs/cache.md). Minimal version
+        from issue 15; the exactness work owns its body."""
+        return f"{self.dtype}|{self.decode_kernel}|min_rows={self.min_rows}|{self.device.type}"
+
     def _linear(
         self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None, nd: int
     ) -> torch.Tensor:

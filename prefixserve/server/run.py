@@ -60,6 +60,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "api_keys_file": ("PREFIXSERVE_API_KEYS_FILE", str, None),
     "admin_key": ("PREFIXSERVE_ADMIN_KEY", str, None),
     "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
+    "cache_dir": ("PREFIXSERVE_CACHE_DIR", str, None),  # None = <data dir>/cache
+    "cache_disk_bytes": ("PREFIXSERVE_CACHE_DISK_BYTES", parse_bytes, 0),
     "max_model_len": ("PREFIXSERVE_MAX_MODEL_LEN", int, None),
     "dtype": ("PREFIXSERVE_DTYPE", str, "auto"),
     "device": ("PREFIXSERVE_DEVICE", str, "auto"),
@@ -103,6 +105,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)",
     )
+    a("--cache-dir", metavar="PATH",
+      help="the disk cache tier's directory (PREFIXSERVE_CACHE_DIR; default <data-dir>/cache)")
+    a("--cache-disk-bytes", type=parse_bytes, metavar="N",
+      help="disk cache tier budget, e.g. 20G; 0 (the default) = no disk tier (PREFIXSERVE_CACHE_DISK_BYTES)")
     a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
@@ -153,13 +159,14 @@ def run_serve(args: argparse.Namespace) -> int:
             max_model_len=s["max_model_len"],
             num_threads=s["num_threads"],
         )
-        cache_config = CacheConfig(max_bytes=s["cache_max_bytes"])
+        data_dir = Path(s["data_dir"] or default_data_dir(env))
+        cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),
+                                   disk_max_bytes=s["cache_disk_bytes"])
         engine_config = EngineConfig(
             prefill_chunk_tokens=s["prefill_chunk_tokens"],
             max_batch_tokens=s["max_batch_tokens"],
             max_num_seqs=s["max_num_seqs"],
         )
-        data_dir = Path(s["data_dir"] or default_data_dir(env))
         server_config = ServerConfig(
             host=s["host"],
             port=s["port"],

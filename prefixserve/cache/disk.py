@@ -1,0 +1,299 @@
+"""The disk tier (L2): entries written through to files off the engine thread, kept when RAM evicts
+them, loaded back on a RAM miss, surviving restarts. Contracts and the file format: docs/cache.md.
+
+Threads: the engine thread calls `lookup`, `load`, `offer`, `flush`, `stats`; one writer thread
+writes files; one loader thread reads them. Everything shared (the index, counters, the job queue)
+is guarded by `_lock`; file IO and (de)serialisation run outside it. The index is a `PrefixCache`
+over digest namespaces whose states are `DiskRef`s (bytes = file sizes), so the disk budget is the
+same LRU as RAM's. Another tier (Redis, issue 16) would keep the same keys, header and fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
+from prefixserve.cache.entry import Entry, FlushResult, Hit
+from prefixserve.cache.prefix_cache import PrefixCache
+from prefixserve.cache.tier import Codec, Loaded, LoadFailed, disk_ns, ns_digest, selects
+from prefixserve.config import CacheConfig
+from prefixserve.types import FlushScope, Namespace
+
+log = logging.getLogger("prefixserve.cache")
+SUFFIX = ".kv"
+MAX_PENDING_WRITES = 256  # more queued than this: new offers are dropped (counted), never block
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRef:
+    """A file's place in the disk index (implements CachedState)."""
+
+    path: str
+    num_tokens: int
+    has_logits: bool
+    nbytes: int
+    truncatable: bool = True
+
+    def storage(self) -> list[tuple[Hashable, int]]:
+        return [(self.path, self.nbytes)]
+
+
+@dataclass(slots=True)
+class DiskCounters:
+    num_lookups: int = 0
+    num_hits: int = 0  # lookups that found a usable file
+    num_loads: int = 0  # files read back into RAM
+    num_load_failures: int = 0
+    num_corrupt: int = 0  # torn, truncated or bit-flipped files dropped
+    num_stale: int = 0  # files of another model, dtype, kernel or runtime removed
+    num_writes: int = 0
+    num_write_bytes: int = 0
+    num_dropped_writes: int = 0
+    num_evictions: int = 0
+    num_flushed: int = 0
+    load_seconds_total: float = 0.0
+    load_seconds_max: float = 0.0
+    pending: deque[tuple[Namespace, tuple[int, ...], Any, int]] = field(default_factory=deque)
+
+
+class DiskTier:
+    def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec) -> None:
+        """Scan `directory` (created, mode 0700): keep intact files of this fingerprint and runtime,
+        remove the rest, evict LRU (by mtime) over `max_bytes`. Starts the writer and loader threads."""
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.runtime = runtime
+        self._codec = codec
+        self._index = PrefixCache(CacheConfig(max_bytes=max_bytes))
+        self._lock = threading.Condition()
+        self._c = DiskCounters()
+        self._epoch = 0  # bumped by every flush; a write that straddles one is re-checked
+        self._flushes: list[tuple[int, FlushScope]] = []
+        self._closed = False
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._scan()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-disk-load")
+        self._writer = threading.Thread(target=self._write_loop, name="prefixserve-disk-write", daemon=True)
+        self._writer.start()
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, prompt: Sequence[int]) -> Hit | None:
+        """The disk entry serving the most of `prompt` (RAM's rules), or None. Touches its recency."""
+        with self._lock:
+            self._c.num_lookups += 1
+            if self._index.num_entries == 0:
+                return None
+            hit = self._index.lookup(disk_ns(ns), prompt)
+            if not isinstance(hit, Hit):
+                return None
+            self._c.num_hits += 1
+            return hit
+
+    def load(self, hit: Hit) -> Future[Loaded | LoadFailed]:
+        """Read, verify and decode `hit`'s file on the loader thread. The entry is pinned meanwhile
+        (not evicted; a flush still forgets it). A corrupt file is dropped, logged and counted."""
+        with self._lock:
+            self._index.pin(hit.entry)
+        return self._loader.submit(self._load, hit.entry)
+
+    def offer(self, ns: Namespace, token_ids: tuple[int, ...], state: Any) -> bool:
+        """Queue `state` (immutable from now on, as a cache entry is) to be written; False if the queue
+        is full or the tier is closed. Never blocks on IO."""
+        with self._lock:
+            if self._closed or len(self._c.pending) >= MAX_PENDING_WRITES:
+                self._c.num_dropped_writes += 1
+                return False
+            self._c.pending.append((ns, token_ids, state, self._epoch))
+            self._lock.notify()
+            return True
+
+    def flush(self, scope: FlushScope) -> FlushResult:
+        """Forget (and delete the files of) every entry of the namespaces `scope` selects, queued
+        writes included; a write in progress is deleted when it lands."""
+        with self._lock:
+            self._epoch += 1
+            self._flushes.append((self._epoch, scope))
+            self._c.pending = deque(j for j in self._c.pending if not scope.selects(j[0]))
+            gone = [e.state.path for e in self._index.entries() if selects(scope, e.namespace)]
+            result = self._index.flush(lambda dns: selects(scope, dns))
+            self._c.num_flushed += result.num_entries
+        _remove(gone)
+        return result
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            c = self._c
+            return {
+                "disk_bytes": float(self._index.num_bytes), "disk_max_bytes": float(self._index.config.max_bytes),
+                "disk_entries": float(self._index.num_entries), "disk_lookups": float(c.num_lookups),
+                "disk_hits": float(c.num_hits), "disk_loads": float(c.num_loads),
+                "disk_load_failures": float(c.num_load_failures), "disk_corrupt_files": float(c.num_corrupt),
+                "disk_stale_files": float(c.num_stale), "disk_writes": float(c.num_writes),
+                "disk_write_bytes": float(c.num_write_bytes), "disk_dropped_writes": float(c.num_dropped_writes),
+                "disk_evictions": float(c.num_evictions), "disk_flushed": float(c.num_flushed),
+                "disk_load_seconds_total": c.load_seconds_total, "disk_load_seconds_max": c.load_seconds_max,
+                "disk_pending_writes": float(len(c.pending)),
+            }
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every queued write has landed; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._c.pending or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.05))
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to `timeout`), then stop both threads."""
+        self.wait_idle(timeout)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._writer.join(timeout)
+        self._loader.shutdown(wait=True)
+
+    def check_integrity(self) -> None:
+        """The index's invariants, and every indexed file exists with its counted size."""
+        with self._lock:
+            self._index.check_integrity()
+            for e in self._index.entries():
+                assert os.path.getsize(e.state.path) == e.nbytes, f"{e.state.path} changed size"
+
+    # ---- writer / loader threads ----------------------------------------------------------------
+
+    _busy = False
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._c.pending and not self._closed:
+                    self._lock.wait()
+                if not self._c.pending:
+                    return
+                ns, key, state, epoch = self._c.pending.popleft()
+                dns = disk_ns(ns)
+                path = self._path(dns, key)
+                present = self._index.best_len(dns, key) == len(key) and os.path.exists(path)
+                self._busy = not present
+            if not present:
+                try:
+                    self._write(ns, dns, key, state, epoch, path)
+                except Exception:  # a full disk or a bug: this entry is not persisted; serving goes on
+                    log.exception("disk tier: writing %s failed", os.path.basename(path))
+                    _remove([path + ".tmp"])
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
+
+    def _write(self, ns: Namespace, dns: Namespace, key: tuple[int, ...], state: Any, epoch: int, path: str) -> None:
+        meta, payload = self._codec.encode(state)
+        header = FileHeader(self.runtime, self.fingerprint, dns.model_id, dns.tenant_id, dns.cache_salt, key,
+                            bool(state.has_logits), meta, len(payload))
+        data = encode_file(header, payload)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.directory)
+        with self._lock:
+            if any(e > epoch and scope.selects(ns) for e, scope in self._flushes):
+                stale = [path]  # flushed while being written
+            else:
+                result = self._index.insert(dns, key, DiskRef(path, len(key), bool(state.has_logits), len(data)))
+                stale = [e.state.path for e in result.evicted] + ([] if result.stored else [path])
+                self._c.num_evictions += len(result.evicted)
+                self._c.num_writes += result.stored
+                self._c.num_write_bytes += len(data) if result.stored else 0
+        _remove(stale)
+
+    def _load(self, entry: Entry) -> Loaded | LoadFailed:
+        t0 = time.monotonic()
+        ref: DiskRef = entry.state  # type: ignore[assignment]
+        try:
+            with open(ref.path, "rb") as f:
+                header, payload = read_file(f.read())
+            if header.token_ids != entry.token_ids or header.fingerprint != self.fingerprint:
+                raise CorruptFile("the file does not hold the entry it was indexed as")
+            state = self._codec.decode(header.meta, payload, len(header.token_ids))
+        except (CorruptFile, OSError, ValueError, RuntimeError) as e:
+            corrupt = not isinstance(e, FileNotFoundError)
+            if corrupt:
+                log.warning("disk tier: dropping %s: %s", os.path.basename(ref.path), e)
+            with self._lock:
+                self._index.unpin(entry)
+                self._c.num_load_failures += 1
+                self._c.num_corrupt += corrupt
+                if corrupt:
+                    self._index.discard(entry)
+            _remove([ref.path] if corrupt else [])
+            return LoadFailed(str(e))
+        seconds = time.monotonic() - t0
+        with self._lock:
+            self._index.unpin(entry)
+            self._c.num_loads += 1
+            self._c.load_seconds_total += seconds
+            self._c.load_seconds_max = max(self._c.load_seconds_max, seconds)
+        return Loaded(entry.token_ids, state, seconds)
+
+    def _path(self, dns: Namespace, key: tuple[int, ...]) -> str:
+        digest = hashlib.blake2b(array("i", key).tobytes(), digest_size=16).hexdigest()
+        return os.path.join(self.directory, f"{ns_digest(dns)}-{digest}{SUFFIX}")
+
+    def _scan(self) -> None:
+        found = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.endswith(".tmp"):
+                _remove([path])  # a write cut short by a crash
+            elif name.endswith(SUFFIX):
+                try:
+                    size = os.path.getsize(path)
+                    with open(path, "rb") as f:
+                        header = read_header(f, size)
+                except (CorruptFile, OSError) as e:
+                    log.warning("disk tier: dropping %s: %s", name, e)
+                    self._c.num_corrupt += 1
+                    _remove([path])
+                    continue
+                if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
+                    self._c.num_stale += 1
+                    _remove([path])
+                    continue
+                found.append((os.path.getmtime(path), path, size, header))
+        for _, path, size, h in sorted(found):  # oldest first: the LRU order survives the restart
+            dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
+            result = self._index.insert(dns, h.token_ids, DiskRef(path, len(h.token_ids), h.has_logits, size))
+            _remove([e.state.path for e in result.evicted] + ([] if result.stored else [path]))
+        log.info("disk tier %s: %d entries, %d bytes", self.directory, self._index.num_entries, self._index.num_bytes)
+
+
+def _remove(paths: Sequence[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
