@@ -8,6 +8,7 @@ entry and one entry can seed any number of concurrent sessions.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -114,7 +115,7 @@ class KVSnapshot:
     def from_pieces(cls, pieces: Sequence[KVPiece], logits: torch.Tensor | None) -> KVSnapshot:
         """A snapshot of pieces that tile [0, end of the last) in order (asserted)."""
         assert pieces and pieces[0].start == 0
-        assert all(a.end == b.start for a, b in zip(pieces, pieces[1:], strict=False))
+        assert all(a.end == b.start for a, b in itertools.pairwise(pieces))
         snap = cls.__new__(cls)
         snap._pieces = tuple(pieces)
         snap._logits = logits
