@@ -9,14 +9,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
-from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.config import EngineConfig
 from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.protocol import FlushReport, TierFlush, TokenizerLike
 from prefixserve.engine.session import Phase, Session
 from prefixserve.runner import ModelRunner, StepItem, make_generator, sample
@@ -26,7 +25,6 @@ from prefixserve.types import Delta, FinishReason, FlushScope, Request
 log = logging.getLogger("prefixserve.engine")
 
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
-MIN_DISK_GAIN_TOKENS = 32  # a disk entry must serve this many tokens more than RAM to be loaded
 
 Emit = Callable[[str, Delta], None]
 
@@ -68,7 +66,7 @@ class EngineCore:
         self.counters = EngineCounters()
         self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
         self.disk = disk  # the disk tier (docs/cache.md), None when off
-        self.loading: list[tuple[Session, Future[Loaded | LoadFailed]]] = []  # waiting on a disk load
+        self.loads = DiskLoads(disk, cache, self.pieces)  # sessions waiting on a disk load
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -93,15 +91,11 @@ class EngineCore:
             if s.request.request_id == request_id:
                 self._finish(s, FinishReason.ABORT)
                 return
-        for s, fut in self.loading:
-            if s.request.request_id == request_id:
-                self.loading.remove((s, fut))
-                self._finish(s, FinishReason.ABORT)
-                return
+        if (s := self.loads.take(request_id)) is not None:
+            self._finish(s, FinishReason.ABORT)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
-        loading, self.loading = [s for s, _ in self.loading], []
-        for s in list(self.waiting) + list(self.running) + loading:
+        for s in list(self.waiting) + list(self.running) + self.loads.take_all():
             if s in self.waiting:
                 self.waiting.remove(s)
             self._finish(s, reason)
@@ -111,7 +105,7 @@ class EngineCore:
         running keep what they copied but insert nothing more, so nothing computed before the flush
         is cached after it."""
         ram = self.cache.flush(scope.selects)
-        for s in [*self.waiting, *self.running, *(s for s, _ in self.loading)]:
+        for s in [*self.waiting, *self.running, *self.loads.sessions()]:
             if scope.selects(s.request.namespace):
                 s.cacheable = False
         tiers = [TierFlush("ram", ram.num_entries, ram.num_bytes)]
@@ -121,7 +115,7 @@ class EngineCore:
         return FlushReport(tuple(tiers))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loads)
 
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
@@ -168,42 +162,14 @@ class EngineCore:
     # ---- admission: cache lookup and restore --------------------------------------------------
 
     def _admit(self) -> None:
-        if self.loading:
-            if not self.running and not self.waiting:  # nothing else to do: wait for a load, briefly
-                wait([f for _, f in self.loading], timeout=0.05, return_when=FIRST_COMPLETED)
-            self._collect_loads()
+        if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
+            self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             s = self.waiting.popleft()
-            if self._load_from_disk(s):
+            if self.exact_reuse and self.loads.park(s):
                 continue
             self.running.append(s)
             self._start(s)
-
-    def _load_from_disk(self, s: Session) -> bool:
-        """Park the session while the disk tier loads an entry serving more of its prompt than RAM
-        can (the read runs on the tier's loader thread: other sessions keep stepping)."""
-        if self.disk is None or s.disk_checked or not self.exact_reuse or self.cache.config.max_bytes == 0:
-            return False
-        s.disk_checked = True
-        ns, ids = s.request.namespace, s.request.prompt_ids
-        hit = self.disk.lookup(ns, ids)
-        if hit is None or hit.num_cached_tokens < self.cache.best_len(ns, ids) + MIN_DISK_GAIN_TOKENS:
-            return False
-        self.loading.append((s, self.disk.load(hit)))
-        return True
-
-    def _collect_loads(self) -> None:
-        """Loaded entries go into RAM (sharing pieces as any insert) and their sessions back to the
-        front of the queue, where the RAM lookup now hits. A failed load is a miss."""
-        for s, fut in [(s, f) for s, f in self.loading if f.done()]:
-            self.loading.remove((s, fut))
-            result = fut.result()
-            if isinstance(result, Loaded) and s.cacheable:  # not if its namespace was flushed meanwhile
-                ns, key = s.request.namespace, result.token_ids
-                state = result.state.restore(len(key), 0)
-                snap = self.pieces.snapshot(state, key, ns, self.cache.entry_lengths(ns, key))
-                self.cache.insert(ns, key, snap)
-            self.waiting.appendleft(s)
 
     def _start(self, s: Session) -> None:
         req = s.request
