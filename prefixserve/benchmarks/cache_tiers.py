@@ -82,8 +82,8 @@ def _bench_bytes(m, runner: ModelRunner, system_prompt: Callable[[int, str], str
             core.step()
     per_token = runner.kv_bytes_per_token()
     # without shared storage every entry held a private copy of its whole prefix (+ its logits)
-    private = sum(e.num_tokens * per_token + (e.state.logits.numel() * 4 if e.has_logits else 0)
-                  for e in core.cache.entries())
+    vocab_bytes = 4 * m.arch.vocab_size  # fp32 logits
+    private = sum(e.num_tokens * per_token + (vocab_bytes if e.has_logits else 0) for e in core.cache.entries())
     shared = core.cache.num_bytes
     print_fn(f"\n## bytes per cached system-prompt user (2,000-token system prompt, {num_users} users, "
              f"{core.cache.num_entries} entries)")

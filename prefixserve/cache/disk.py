@@ -19,7 +19,7 @@ from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
@@ -54,8 +54,8 @@ class DiskCounters:
     num_hits: int = 0  # lookups that found a usable file
     num_loads: int = 0  # files read back into RAM
     num_load_failures: int = 0
-    num_corrupt: int = 0  # torn, truncated or bit-flipped files dropped
-    num_stale: int = 0  # files of another model, dtype, kernel or runtime removed
+    num_corrupt_files: int = 0  # torn, truncated or bit-flipped files dropped
+    num_stale_files: int = 0  # files of another model, dtype, kernel or runtime removed
     num_writes: int = 0
     num_write_bytes: int = 0
     num_dropped_writes: int = 0
@@ -125,26 +125,20 @@ class DiskTier:
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
             self._c.pending = deque(j for j in self._c.pending if not scope.selects(j[0]))
-            gone = [e.state.path for e in self._index.entries() if selects(scope, e.namespace)]
+            gone = [_path_of(e) for e in self._index.entries() if selects(scope, e.namespace)]
             result = self._index.flush(lambda dns: selects(scope, dns))
             self._c.num_flushed += result.num_entries
         _remove(gone)
         return result
 
     def stats(self) -> dict[str, float]:
+        """Counters and gauges as `disk_*` (docs/cache.md, "Metrics"). No namespace appears."""
         with self._lock:
-            c = self._c
-            return {
-                "disk_bytes": float(self._index.num_bytes), "disk_max_bytes": float(self._index.config.max_bytes),
-                "disk_entries": float(self._index.num_entries), "disk_lookups": float(c.num_lookups),
-                "disk_hits": float(c.num_hits), "disk_loads": float(c.num_loads),
-                "disk_load_failures": float(c.num_load_failures), "disk_corrupt_files": float(c.num_corrupt),
-                "disk_stale_files": float(c.num_stale), "disk_writes": float(c.num_writes),
-                "disk_write_bytes": float(c.num_write_bytes), "disk_dropped_writes": float(c.num_dropped_writes),
-                "disk_evictions": float(c.num_evictions), "disk_flushed": float(c.num_flushed),
-                "disk_load_seconds_total": c.load_seconds_total, "disk_load_seconds_max": c.load_seconds_max,
-                "disk_pending_writes": float(len(c.pending)),
-            }
+            out = {"disk_" + f.name.removeprefix("num_"): float(getattr(self._c, f.name))
+                   for f in fields(DiskCounters) if f.name != "pending"}
+            out.update(disk_bytes=float(self._index.num_bytes), disk_max_bytes=float(self._index.config.max_bytes),
+                       disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._c.pending)))
+            return out
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued write has landed; False on timeout."""
@@ -171,7 +165,7 @@ class DiskTier:
         with self._lock:
             self._index.check_integrity()
             for e in self._index.entries():
-                assert os.path.getsize(e.state.path) == e.nbytes, f"{e.state.path} changed size"
+                assert os.path.getsize(_path_of(e)) == e.nbytes, f"{_path_of(e)} changed size"
 
     # ---- writer / loader threads ----------------------------------------------------------------
 
@@ -216,7 +210,7 @@ class DiskTier:
                 stale = [path]  # flushed while being written
             else:
                 result = self._index.insert(dns, key, DiskRef(path, len(key), bool(state.has_logits), len(data)))
-                stale = [e.state.path for e in result.evicted] + ([] if result.stored else [path])
+                stale = [_path_of(e) for e in result.evicted] + ([] if result.stored else [path])
                 self._c.num_evictions += len(result.evicted)
                 self._c.num_writes += result.stored
                 self._c.num_write_bytes += len(data) if result.stored else 0
@@ -238,7 +232,7 @@ class DiskTier:
             with self._lock:
                 self._index.unpin(entry)
                 self._c.num_load_failures += 1
-                self._c.num_corrupt += corrupt
+                self._c.num_corrupt_files += corrupt
                 if corrupt:
                     self._index.discard(entry)
             _remove([ref.path] if corrupt else [])
@@ -268,19 +262,24 @@ class DiskTier:
                         header = read_header(f, size)
                 except (CorruptFile, OSError) as e:
                     log.warning("disk tier: dropping %s: %s", name, e)
-                    self._c.num_corrupt += 1
+                    self._c.num_corrupt_files += 1
                     _remove([path])
                     continue
                 if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
-                    self._c.num_stale += 1
+                    self._c.num_stale_files += 1
                     _remove([path])
                     continue
                 found.append((os.path.getmtime(path), path, size, header))
         for _, path, size, h in sorted(found):  # oldest first: the LRU order survives the restart
             dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
             result = self._index.insert(dns, h.token_ids, DiskRef(path, len(h.token_ids), h.has_logits, size))
-            _remove([e.state.path for e in result.evicted] + ([] if result.stored else [path]))
+            _remove([_path_of(e) for e in result.evicted] + ([] if result.stored else [path]))
         log.info("disk tier %s: %d entries, %d bytes", self.directory, self._index.num_entries, self._index.num_bytes)
+
+
+def _path_of(entry: Entry) -> str:
+    assert isinstance(entry.state, DiskRef)
+    return entry.state.path
 
 
 def _remove(paths: Sequence[str]) -> None:

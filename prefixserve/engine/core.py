@@ -91,8 +91,8 @@ class EngineCore:
             if s.request.request_id == request_id:
                 self._finish(s, FinishReason.ABORT)
                 return
-        if (s := self.loads.take(request_id)) is not None:
-            self._finish(s, FinishReason.ABORT)
+        if (parked := self.loads.take(request_id)) is not None:
+            self._finish(parked, FinishReason.ABORT)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
         for s in list(self.waiting) + list(self.running) + self.loads.take_all():

@@ -108,7 +108,7 @@ class KVSnapshot:
 
     def __init__(self, kv: torch.Tensor, logits: torch.Tensor | None) -> None:
         """One private piece: kv [num_layers, 2, num_kv_heads, num_tokens, head_dim], compact."""
-        self._pieces = (KVPiece(0, kv.shape[3], ("own", kv.untyped_storage().data_ptr()), kv),)
+        self._pieces: tuple[KVPiece, ...] = (KVPiece(0, kv.shape[3], ("own", kv.untyped_storage().data_ptr()), kv),)
         self._logits = logits
 
     @classmethod
