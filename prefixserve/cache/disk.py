@@ -33,7 +33,6 @@ log = logging.getLogger("prefixserve.cache")
 SUFFIX = ".kv"
 MAX_PENDING_WRITES = 256  # more queued than this: new offers are dropped (counted), never block
 
-
 @dataclass(frozen=True, slots=True)
 class DiskRef:
     """A file's place in the disk index (implements CachedState)."""
@@ -221,7 +220,10 @@ class DiskTier:
         ref: DiskRef = entry.state  # type: ignore[assignment]
         try:
             with open(ref.path, "rb") as f:
-                header, payload = read_file(f.read())
+                data = bytearray(os.fstat(f.fileno()).st_size)  # read once, into memory the state keeps
+                if f.readinto(data) != len(data):
+                    raise CorruptFile("truncated while being read")
+            header, payload = read_file(data)
             if header.token_ids != entry.token_ids or header.fingerprint != self.fingerprint:
                 raise CorruptFile("the file does not hold the entry it was indexed as")
             state = self._codec.decode(header.meta, payload, len(header.token_ids))

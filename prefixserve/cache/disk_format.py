@@ -4,7 +4,8 @@
     8               header length H (u32, little endian)
     12              header: UTF-8 JSON object (format, runtime, fingerprint, digests, token ids,
                     has_logits, the codec's meta, payload_len)
-    12 + H          payload (payload_len bytes, the codec's)
+    12 + H          payload (payload_len bytes, the codec's); H is padded with blanks so that 12 + H
+                    is a multiple of 64
     end - 32        BLAKE2b-256 of every byte before it
 
 A file is whole or it is rejected: a torn, truncated or bit-flipped file fails the size or the
@@ -52,6 +53,7 @@ def encode_file(header: FileHeader, payload: bytes) -> bytes:
         "token_ids": list(header.token_ids), "has_logits": header.has_logits, "meta": header.meta,
         "payload_len": header.payload_len,
     }, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-(12 + len(head)) % 64)  # JSON allows trailing blanks: the payload starts 64-aligned
     body = MAGIC + struct.pack("<I", len(head)) + head + payload
     return body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
 
@@ -70,18 +72,20 @@ def read_header(f: BinaryIO, file_size: int) -> FileHeader:
     return header
 
 
-def read_file(data: bytes) -> tuple[FileHeader, memoryview]:
-    """Header and payload of a whole file's bytes, digest checked. Raises CorruptFile."""
+def read_file(data: bytes | bytearray) -> tuple[FileHeader, memoryview]:
+    """Header and payload of a whole file's bytes, digest checked; the payload is a view of `data`
+    (no copy; writable when `data` is a bytearray). Raises CorruptFile."""
     if len(data) < 12 + DIGEST_BYTES:
         raise CorruptFile("truncated")
-    body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+    view = memoryview(data)
+    body, digest = view[:-DIGEST_BYTES], bytes(view[-DIGEST_BYTES:])
     if hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
         raise CorruptFile("checksum mismatch")
-    if body[:8] != MAGIC:
+    if bytes(body[:8]) != MAGIC:
         raise CorruptFile("bad magic")
     (head_len,) = struct.unpack("<I", body[8:12])
-    header = _parse_header(body[12 : 12 + head_len])
-    payload = memoryview(body)[12 + head_len :]
+    header = _parse_header(bytes(body[12 : 12 + head_len]))
+    payload = body[12 + head_len :]
     if len(payload) != header.payload_len:
         raise CorruptFile("payload length mismatch")
     return header, payload

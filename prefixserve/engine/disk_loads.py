@@ -53,8 +53,7 @@ class DiskLoads:
             result = fut.result()
             if isinstance(result, Loaded) and s.cacheable:
                 ns, key = s.request.namespace, result.token_ids
-                state = result.state.restore(len(key), 0)
-                self._cache.insert(ns, key, self._pieces.snapshot(state, key, ns, self._cache.entry_lengths(ns, key)))
+                self._cache.insert(ns, key, self._pieces.adopt(result.state, key, ns))  # one copy per new piece
         return [s for s, _ in done]
 
     def sessions(self) -> list[Session]:

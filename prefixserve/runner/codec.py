@@ -38,7 +38,9 @@ class SnapshotCodec:
             raise ValueError(f"unknown dtype {meta['dtype']!r}")
         layers, two, heads, head_dim = (int(x) for x in meta["shape"])
         size = torch.empty((), dtype=dtype).element_size()
-        buf = bytearray(payload)  # writable, so torch.frombuffer does not warn; one copy of the file
+        buf: bytearray | memoryview = payload
+        if payload.readonly or torch.frombuffer(payload, dtype=torch.uint8, count=1).data_ptr() % 64:
+            buf = bytearray(payload)  # torch.frombuffer wants writable, and the kernels aligned, memory
         offset = 0
         pieces = []
         for start, end in meta["pieces"]:
@@ -50,7 +52,7 @@ class SnapshotCodec:
         if meta["logits"]:
             logits = torch.frombuffer(buf, dtype=torch.float32, count=int(meta["logits"]), offset=offset)
             offset += 4 * int(meta["logits"])
-        if offset != len(buf) or not pieces or pieces[-1].end != num_tokens:
+        if offset != memoryview(buf).nbytes or not pieces or pieces[-1].end != num_tokens:
             raise ValueError("payload does not match its meta")
         return KVSnapshot.from_pieces(pieces, logits)
 

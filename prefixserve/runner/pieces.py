@@ -58,8 +58,22 @@ class PieceStore:
         logits = state.logits.clone() if (with_logits and n == state.num_tokens and state.logits is not None) else None
         return KVSnapshot.from_pieces(pieces, logits)
 
+    def adopt(self, snap: KVSnapshot, token_ids: Sequence[int], scope: Hashable) -> KVSnapshot:
+        """A snapshot with `snap`'s pieces (e.g. read from disk, viewing a file buffer) turned into
+        store pieces: shared where live, else copied into their own memory. `token_ids` are the
+        exact tokens `snap` was computed from. Does not mutate `snap`."""
+        assert len(token_ids) == snap.num_tokens
+        ends = [p.end for p in snap.pieces]
+        pieces = []
+        for (start, end, digest), p in zip(_edges(token_ids, 1 << 62, ends), snap.pieces, strict=True):
+            pieces.append(self._piece_of(p.kv, (scope, digest, start), start, end))
+        logits = None if snap.logits is None else snap.logits.clone()
+        return KVSnapshot.from_pieces(pieces, logits)
+
     def _piece(self, state: SessionState, key: Hashable, start: int, end: int) -> KVPiece:
-        src = state.kv[:, :, :, start:end]
+        return self._piece_of(state.kv[:, :, :, start:end], key, start, end)
+
+    def _piece_of(self, src: torch.Tensor, key: Hashable, start: int, end: int) -> KVPiece:
         live = self._live.get(key)
         if live is not None:
             if same_bits(live, src):

@@ -111,7 +111,7 @@ def test_corrupt_files_are_dropped_and_counted(tmp_path: Path, damage: str) -> N
 
 def test_disk_budget_is_lru(tmp_path: Path) -> None:
     a, b, c = (1, *SYS), (2, *SYS), (3, *SYS)  # no common prefix: no truncated hits between them
-    t = tier(tmp_path, max_bytes=3000)  # files of 1,457 bytes: two fit
+    t = tier(tmp_path, max_bytes=3000)  # files of 1,480 bytes: two fit
     put(t, NS_A, a, b"a" * 1000)
     put(t, NS_A, b, b"b" * 1000)
     assert t.lookup(NS_A, a + (9,)) is not None  # a becomes most recently used
@@ -119,7 +119,7 @@ def test_disk_budget_is_lru(tmp_path: Path) -> None:
     assert t.lookup(NS_A, b + (9,)) is None
     assert t.lookup(NS_A, a + (9,)) is not None and t.lookup(NS_A, c + (9,)) is not None
     assert len(files(tmp_path)) == 2 and t.stats()["disk_evictions"] == 1
-    assert t.stats()["disk_bytes"] == 2 * 1457
+    assert t.stats()["disk_bytes"] == 2 * 1480
     t.close()
 
 

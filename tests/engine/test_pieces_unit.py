@@ -65,3 +65,10 @@ def test_codec_round_trip_is_bitwise() -> None:
     assert all(same_bits(a.kv, b.kv) for a, b in zip(back.pieces, snap.pieces, strict=True))
     assert back.logits is not None and snap.logits is not None and same_bits(back.logits, snap.logits)
     assert len(payload) == sum(p.kv.numel() * 2 for p in snap.pieces) + 10 * 4
+
+    store = PieceStore(64)
+    boundary = store.snapshot(st, list(range(100)), "ns")  # live pieces for [0, 64), [64, 100)
+    adopted = store.adopt(back, list(range(150)), "ns")
+    assert adopted.pieces[0].kv is boundary.pieces[0].kv and adopted.pieces[1].kv is boundary.pieces[1].kv
+    assert adopted.pieces[2].kv.untyped_storage().nbytes() == adopted.pieces[2].kv.numel() * 2  # own memory
+    assert torch.equal(adopted.restore(150, 0).kv[:, :, :, :150], st.kv[:, :, :, :150])
