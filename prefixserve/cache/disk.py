@@ -19,13 +19,13 @@ from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
 from prefixserve.cache.entry import Entry, FlushResult, Hit
 from prefixserve.cache.prefix_cache import PrefixCache
-from prefixserve.cache.tier import Codec, Loaded, LoadFailed, disk_ns, ns_digest, selects
+from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, disk_ns, ns_digest, selects
 from prefixserve.config import CacheConfig
 from prefixserve.types import FlushScope, Namespace
 
@@ -47,24 +47,6 @@ class DiskRef:
         return [(self.path, self.nbytes)]
 
 
-@dataclass(slots=True)
-class DiskCounters:
-    num_lookups: int = 0
-    num_hits: int = 0  # lookups that found a usable file
-    num_loads: int = 0  # files read back into RAM
-    num_load_failures: int = 0
-    num_corrupt_files: int = 0  # torn, truncated or bit-flipped files dropped
-    num_stale_files: int = 0  # files of another model, dtype, kernel or runtime removed
-    num_writes: int = 0
-    num_write_bytes: int = 0
-    num_dropped_writes: int = 0
-    num_evictions: int = 0
-    num_flushed: int = 0
-    load_seconds_total: float = 0.0
-    load_seconds_max: float = 0.0
-    pending: deque[tuple[Namespace, tuple[int, ...], Any, int]] = field(default_factory=deque)
-
-
 class DiskTier:
     def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec) -> None:
         """Scan `directory` (created, mode 0700): keep intact files of this fingerprint and runtime,
@@ -75,7 +57,8 @@ class DiskTier:
         self._codec = codec
         self._index = PrefixCache(CacheConfig(max_bytes=max_bytes))
         self._lock = threading.Condition()
-        self._c = DiskCounters()
+        self._c = TierCounters()
+        self._pending: deque[tuple[Namespace, tuple[int, ...], Any, int]] = deque()
         self._epoch = 0  # bumped by every flush; a write that straddles one is re-checked
         self._flushes: list[tuple[int, FlushScope]] = []
         self._closed = False
@@ -110,10 +93,10 @@ class DiskTier:
         """Queue `state` (immutable from now on, as a cache entry is) to be written; False if the queue
         is full or the tier is closed. Never blocks on IO."""
         with self._lock:
-            if self._closed or len(self._c.pending) >= MAX_PENDING_WRITES:
+            if self._closed or len(self._pending) >= MAX_PENDING_WRITES:
                 self._c.num_dropped_writes += 1
                 return False
-            self._c.pending.append((ns, token_ids, state, self._epoch))
+            self._pending.append((ns, token_ids, state, self._epoch))
             self._lock.notify()
             return True
 
@@ -123,7 +106,7 @@ class DiskTier:
         with self._lock:
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
-            self._c.pending = deque(j for j in self._c.pending if not scope.selects(j[0]))
+            self._pending = deque(j for j in self._pending if not scope.selects(j[0]))
             gone = [_path_of(e) for e in self._index.entries() if selects(scope, e.namespace)]
             result = self._index.flush(lambda dns: selects(scope, dns))
             self._c.num_flushed += result.num_entries
@@ -134,16 +117,16 @@ class DiskTier:
         """Counters and gauges as `disk_*` (docs/cache.md, "Metrics"). No namespace appears."""
         with self._lock:
             out = {"disk_" + f.name.removeprefix("num_"): float(getattr(self._c, f.name))
-                   for f in fields(DiskCounters) if f.name != "pending"}
+                   for f in fields(TierCounters)}
             out.update(disk_bytes=float(self._index.num_bytes), disk_max_bytes=float(self._index.config.max_bytes),
-                       disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._c.pending)))
+                       disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._pending)))
             return out
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued write has landed; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._c.pending or self._busy:
+            while self._pending or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -160,7 +143,7 @@ class DiskTier:
         self._loader.shutdown(wait=True)
 
     def check_integrity(self) -> None:
-        """The index's invariants, and every indexed file exists with its counted size."""
+        """The index's invariants; every indexed file exists with its counted size."""
         with self._lock:
             self._index.check_integrity()
             for e in self._index.entries():
@@ -173,14 +156,15 @@ class DiskTier:
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._c.pending and not self._closed:
+                while not self._pending and not self._closed:
                     self._lock.wait()
-                if not self._c.pending:
+                if not self._pending:
                     return
-                ns, key, state, epoch = self._c.pending.popleft()
+                ns, key, state, epoch = self._pending.popleft()
                 dns = disk_ns(ns)
                 path = self._path(dns, key)
-                present = self._index.best_len(dns, key) == len(key) and os.path.exists(path)
+                held = self._index.get(dns, key)  # written already (with logits if these have them)
+                present = held is not None and (held.has_logits or not state.has_logits)
                 self._busy = not present
             if not present:
                 try:
@@ -209,7 +193,11 @@ class DiskTier:
                 stale = [path]  # flushed while being written
             else:
                 result = self._index.insert(dns, key, DiskRef(path, len(key), bool(state.has_logits), len(data)))
-                stale = [_path_of(e) for e in result.evicted] + ([] if result.stored else [path])
+                stale = [_path_of(e) for e in result.evicted]
+                if not result.stored:  # refused; a kept entry of this key lost its file to the rename
+                    stale.append(path)
+                    if result.entry is not None:
+                        self._index.discard(result.entry)
                 self._c.num_evictions += len(result.evicted)
                 self._c.num_writes += result.stored
                 self._c.num_write_bytes += len(data) if result.stored else 0

@@ -140,6 +140,11 @@ class PrefixCache:
         space = self._spaces.get(ns)
         return [] if space is None else space.index.entry_lengths(tuple(token_ids))
 
+    def get(self, ns: Namespace, token_ids: Sequence[int]) -> Entry | None:
+        """The entry keyed by exactly `token_ids` in `ns`, or None. Does not mutate."""
+        space = self._spaces.get(ns)
+        return None if space is None else space.index.get(tuple(token_ids))
+
     def best_len(self, ns: Namespace, token_ids: Sequence[int]) -> int:
         """How many tokens of the prompt `lookup` would serve now, without counting or touching
         anything (for deciding whether a lower tier holds more). Does not mutate."""

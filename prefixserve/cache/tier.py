@@ -30,6 +30,25 @@ class LoadFailed:
     reason: str
 
 
+@dataclass(slots=True)
+class TierCounters:
+    """A lower tier's counters (metrics `disk_*` for the disk tier). Mutated under the tier's lock."""
+
+    num_lookups: int = 0
+    num_hits: int = 0  # lookups that found a usable file
+    num_loads: int = 0  # files read back into RAM
+    num_load_failures: int = 0
+    num_corrupt_files: int = 0  # torn, truncated or bit-flipped files dropped
+    num_stale_files: int = 0  # files of another model, dtype, kernel or runtime removed
+    num_writes: int = 0
+    num_write_bytes: int = 0
+    num_dropped_writes: int = 0
+    num_evictions: int = 0
+    num_flushed: int = 0
+    load_seconds_total: float = 0.0
+    load_seconds_max: float = 0.0
+
+
 def digest(kind: str, value: str) -> str:
     """A namespace component's name on disk: never the tenant id or salt itself."""
     return hashlib.sha256(f"prefixserve:{kind}\0{value}".encode()).hexdigest()[:32]

@@ -139,3 +139,15 @@ def test_flush_deletes_the_files_of_the_selected_namespaces(tmp_path: Path) -> N
     t = tier(tmp_path)  # forgotten across a restart too
     assert t.lookup(NS_A, SYS + (1,)) is None and t.lookup(NS_B, SYS + (1,)) is not None
     t.close()
+
+
+def test_the_same_key_again_keeps_one_file(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    assert t.offer(NS_A, SYS, Blob(b"b" * 100, has_logits=False)) and t.wait_idle(10)  # a boundary entry
+    put(t, NS_A, SYS, b"f" * 100)  # the full prompt with logits: replaces it, same file name
+    put(t, NS_A, SYS, b"g" * 100)  # again (RAM evicted and re-inserted it): not rewritten
+    assert len(files(tmp_path)) == 1 and t.stats()["disk_writes"] == 2
+    got = load(t, NS_A, SYS)  # the whole prompt: only an entry with logits serves it
+    assert isinstance(got, Loaded) and got.state == Blob(b"f" * 100)
+    t.check_integrity()
+    t.close()
