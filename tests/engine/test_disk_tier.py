@@ -75,3 +75,40 @@ def test_restart_serves_from_disk_without_blocking_other_sessions(tmp_path: Path
     core.cache.check_integrity()
     core.disk.check_integrity()
     core.disk.close()
+
+
+def test_flush_forgets_entries_in_use_and_running_sessions_insert_nothing(tmp_path: Path) -> None:
+    from prefixserve.types import FlushScope
+
+    model, _ = load_embedded("int4")
+    tok = model.tokenizer
+    p = tok.render_chat([{"role": "user", "content": "Describe a quiet harbour at dawn. " * 8}])
+    q = tok.render_chat([{"role": "user", "content": "Describe a busy market at noon. " * 50}])
+    out: dict[str, list[Delta]] = {}
+    core = make_core(tmp_path, out)
+    assert core.disk is not None
+    first = add(core, p)
+    while core.has_work():
+        core.step()
+    assert core.disk.wait_idle(30) and core.disk.stats()["disk_entries"] == 1
+    ref_tokens, _ = result(out, first)
+
+    full_hit = add(core, p)  # decoding from its hit when the flush comes
+    core.step()
+    mid_prefill = add(core, q)  # 128-token chunks: still prefilling when the flush comes
+    core.step()
+    assert len(q) > 2 * 128 and [s.request.request_id for s in core.running] == [full_hit, mid_prefill]
+    report = core.flush(FlushScope("tenant-a"))
+    assert [(t.tier, t.num_entries) for t in report.tiers] == [("ram", 1), ("disk", 1)]
+    while core.has_work():
+        core.step()
+    assert result(out, full_hit) == (ref_tokens, Usage(len(p), len(ref_tokens), len(p)))  # it had its hit
+    assert core.cache.num_entries == 0  # neither re-seeded what was forgotten
+    again = add(core, p)
+    while core.has_work():
+        core.step()
+    assert result(out, again) == (ref_tokens, Usage(len(p), len(ref_tokens), 0))
+    assert core.disk.wait_idle(30)
+    core.cache.check_integrity()
+    core.disk.check_integrity()
+    core.disk.close()
