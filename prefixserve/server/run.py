@@ -178,6 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         data_dir.mkdir(parents=True, exist_ok=True)
+        if cache_config.disk_max_bytes and cache_config.disk_dir:  # an unusable cache dir is a config error
+            Path(cache_config.disk_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         ledger = None if s["no_ledger"] else open_ledger(server_config, getattr(args, "prices", None) or ())
     except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
         print(f"prefixserve serve: {e}", file=sys.stderr)
