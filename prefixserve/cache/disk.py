@@ -174,6 +174,8 @@ class DiskTier:
                     _remove([path + ".tmp"])
             with self._lock:
                 self._busy = False
+                if not self._pending:  # no write outstanding can predate a flush any more
+                    self._flushes.clear()
                 self._lock.notify_all()
 
     def _write(self, ns: Namespace, dns: Namespace, key: tuple[int, ...], state: Any, epoch: int, path: str) -> None:
