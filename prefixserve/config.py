@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -37,10 +39,16 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     max_bytes: int = 2 << 30  # one global budget across all namespaces; 0 disables caching
+    disk_dir: str | None = None  # the disk tier's directory (docs/cache.md)
+    disk_max_bytes: int = 0  # the disk tier's budget; 0 = no disk tier
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
             raise ValueError("cache max_bytes must be >= 0")
+        if self.disk_max_bytes < 0:
+            raise ValueError("cache disk_max_bytes must be >= 0")
+        if self.disk_max_bytes and not self.disk_dir:
+            raise ValueError("a disk tier needs a directory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +73,7 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # empty = open server with one tenant
     admin_key: str | None = None
-    data_dir: str = "data"
+    data_dir: str = ""  # "" = default_data_dir(os.environ), resolved by the caller that reads the environment
     ledger_path: str | None = None  # None = <data_dir>/usage.sqlite3
     pricing_path: str | None = None
 
@@ -74,3 +82,15 @@ class ServerConfig:
             raise ValueError("port must be in 1..65535")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
+
+
+def default_data_dir(environ: Mapping[str, str]) -> str:
+    """The one data directory (usage ledger, disk cache tier) when no flag names one:
+    $PREFIXSERVE_DATA_DIR, else $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve (the XDG
+    base-directory default). Pure but for expanding ~ through `environ`'s HOME."""
+    if environ.get("PREFIXSERVE_DATA_DIR"):
+        return environ["PREFIXSERVE_DATA_DIR"]
+    if environ.get("XDG_DATA_HOME"):
+        return os.path.join(environ["XDG_DATA_HOME"], "prefixserve")
+    home = environ.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "share", "prefixserve")

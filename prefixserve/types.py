@@ -91,3 +91,17 @@ class TemplateError(ValueError):
 
 class InvalidRequest(ValueError):
     """Anything else about a request the engine cannot serve (e.g. token ids outside the vocabulary). 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlushScope:
+    """Which namespaces a cache flush forgets: one tenant's (None = every tenant: admin only), and
+    within it one salt's (None = every salt of it, the unsalted namespace included)."""
+
+    tenant_id: str | None = None
+    cache_salt: str | None = None
+
+    def selects(self, ns: Namespace) -> bool:
+        return (self.tenant_id is None or ns.tenant_id == self.tenant_id) and (
+            self.cache_salt is None or ns.cache_salt == self.cache_salt
+        )

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Tests never write to the real home: anything that falls back to the default data directory
+# (config.default_data_dir), here or in a server subprocess inheriting the environment, lands in a
+# temporary directory instead.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="prefixserve-xdg-")
+os.environ.pop("PREFIXSERVE_DATA_DIR", None)
 
 _MODELS: dict[str, object] = {}
 # In-process model tests run on one thread: bits are the same for a fixed thread count, and two

@@ -25,6 +25,11 @@ def bench_cache(quick: bool = False, num_threads: int | None = None, print_fn: C
     bench_lookup(print_fn)
     print_fn("\n## in-process TTFT (engine, embedded model, auto dtype)")
     _bench_ttft(quick, print_fn)
+    from prefixserve.benchmarks.cache_tiers import bench_tiers
+
+    dtype = torch.bfloat16 if _native_bf16() else torch.float32
+    m = load_model(None, dtype)
+    bench_tiers(m, ModelRunner(m.decoder), lambda n, nonce: _system_prompt(m.tokenizer, n, nonce), quick, print_fn)
 
 
 def _system_prompt(tokenizer, num_tokens: int, nonce: str) -> str:

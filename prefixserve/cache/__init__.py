@@ -2,7 +2,7 @@
 global LRU byte budget. Pure Python; imports nothing of ours but `prefixserve.types` and
 `prefixserve.config`. Driven from one engine thread (no locks)."""
 
-from prefixserve.cache.entry import Entry, Hit, InsertResult, InsertStatus, Miss
+from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss
 from prefixserve.cache.prefix_cache import PrefixCache
 from prefixserve.cache.state import CachedState
 from prefixserve.cache.stats import CacheStats
@@ -11,6 +11,7 @@ __all__ = [
     "CacheStats",
     "CachedState",
     "Entry",
+    "FlushResult",
     "Hit",
     "InsertResult",
     "InsertStatus",

@@ -83,8 +83,18 @@ class InsertResult:
     entry: Entry | None  # what the cache holds for these tokens after the call (None if nothing)
     num_evicted: int = 0  # entries evicted to make room
     num_evicted_bytes: int = 0  # bytes those evictions freed
+    evicted: tuple[Entry, ...] = ()  # the entries evicted, least recently used first
 
     @property
     def stored(self) -> bool:
         """The state passed in is now cached (the caller must not mutate it from here on)."""
         return self.status in (InsertStatus.INSERTED, InsertStatus.REPLACED)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """What `PrefixCache.flush` dropped: entries, and the bytes no longer counted (shared storage
+    once; storage still held by an entry that was kept is not counted as gone)."""
+
+    num_entries: int = 0
+    num_bytes: int = 0

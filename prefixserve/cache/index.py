@@ -98,6 +98,20 @@ class RadixIndex:
             return node.entry
         return None
 
+    def entry_lengths(self, token_ids: tuple[int, ...]) -> list[int]:
+        """Lengths of the entries whose keys are proper prefixes of `token_ids`, shortest first. Does
+        not mutate."""
+        lengths = []
+        node, pos = self.root, 0
+        while pos < len(token_ids):
+            child = node.children.get(token_ids[pos])
+            if child is None or token_ids[pos : pos + len(child.edge)] != child.edge:
+                break
+            node, pos = child, pos + len(child.edge)
+            if node.entry is not None and pos < len(token_ids):
+                lengths.append(pos)
+        return lengths
+
     def add(self, entry: Entry) -> None:
         """File `entry` under its key, splitting an edge if needed. The key must not be present yet."""
         key = entry.token_ids

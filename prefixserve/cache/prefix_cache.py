@@ -7,15 +7,16 @@ be deep-copied on another thread only while its entry is pinned (pin and unpin o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from prefixserve.cache.entry import Entry, Hit, InsertResult, InsertStatus, Miss
-from prefixserve.cache.index import RadixIndex
+from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss
+from prefixserve.cache.index import RadixIndex, _require
+from prefixserve.cache.room import plan_room
 from prefixserve.cache.state import CachedState
 from prefixserve.cache.stats import CacheStats, Counters, add_counters, snapshot
-from prefixserve.cache.storage import Pieces, StorageLedger, validate_pieces
+from prefixserve.cache.storage import StorageLedger, validate_pieces
 from prefixserve.config import CacheConfig
 from prefixserve.types import Namespace
 
@@ -116,7 +117,7 @@ class PrefixCache:
         if nbytes > self.config.max_bytes:
             counters.num_rejected_too_large += 1
             return InsertResult(InsertStatus.TOO_LARGE, old)
-        victims = self._plan_room(pieces, old)
+        victims = plan_room(self._lru, self._ledger, self.config.max_bytes, pieces, old)
         if victims is None:
             counters.num_rejected_no_room += 1
             return InsertResult(InsertStatus.NO_ROOM, old)
@@ -131,7 +132,26 @@ class PrefixCache:
         self._lru[entry] = None
         counters.num_insertions += 1
         status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
-        return InsertResult(status, entry, len(victims), num_evicted_bytes)
+        return InsertResult(status, entry, len(victims), num_evicted_bytes, tuple(victims))
+
+    def entry_lengths(self, ns: Namespace, token_ids: Sequence[int]) -> list[int]:
+        """Lengths of `ns`'s entries that are proper prefixes of `token_ids`, shortest first: where a
+        new state's shared storage should have piece edges. Does not mutate (not even recency)."""
+        space = self._spaces.get(ns)
+        return [] if space is None else space.index.entry_lengths(tuple(token_ids))
+
+    def get(self, ns: Namespace, token_ids: Sequence[int]) -> Entry | None:
+        """The entry keyed by exactly `token_ids` in `ns`, or None. Does not mutate."""
+        space = self._spaces.get(ns)
+        return None if space is None else space.index.get(tuple(token_ids))
+
+    def best_len(self, ns: Namespace, token_ids: Sequence[int]) -> int:
+        """How many tokens of the prompt `lookup` would serve now, without counting or touching
+        anything (for deciding whether a lower tier holds more). Does not mutate."""
+        space = self._spaces.get(ns)
+        if space is None or space.index.num_entries == 0:
+            return 0
+        return space.index.match(tuple(token_ids)).num_cached_tokens
 
     def evict(self, num_bytes: int) -> int:
         """Evict least recently used unpinned entries until at least `num_bytes` are freed or none
@@ -146,6 +166,11 @@ class PrefixCache:
                 break
             freed += self._evict_one(victim)
         return freed
+
+    def discard(self, entry: Entry) -> int:
+        """Forget one entry (pinned or not) if it is still cached; return the bytes freed. Mutates;
+        not counted as an eviction. For a lower tier dropping a file found corrupt."""
+        return self._drop(entry) if entry.is_cached else 0
 
     def pin(self, entry: Entry) -> None:
         """Keep `entry` from eviction until a matching `unpin`. Pins nest. Raises ValueError if the
@@ -185,6 +210,19 @@ class PrefixCache:
         if space is None:
             return CacheStats()
         return snapshot([space.counters], space.index.num_entries, space.ledger.num_bytes)
+
+    def flush(self, selects: Callable[[Namespace], bool]) -> FlushResult:
+        """Forget every entry of every namespace `selects` returns True for, pinned ones included:
+        from now on no lookup returns them (a session already copying from one keeps its object and
+        may still unpin it). Mutates; counted as `num_flushed`, not as evictions. Always safe
+        (nothing selected: nothing changes). The caller (the engine thread) decides who may flush
+        what; the cache only forgets."""
+        victims = [e for e in self._lru if selects(e.namespace)]
+        freed = 0
+        for entry in victims:
+            self._spaces[entry.namespace].counters.num_flushed += 1
+            freed += self._drop(entry)
+        return FlushResult(len(victims), freed)
 
     def clear(self) -> None:
         """Drop every entry, pinned ones included (holders keep their objects and may still unpin).
@@ -238,36 +276,6 @@ class PrefixCache:
             self._retired = add_counters(self._retired, retired)
         self._sweep_at = max(MAX_IDLE_NAMESPACES, 2 * len(self._spaces))
 
-    def _plan_room(self, pieces: Pieces, replaced: Entry | None) -> list[Entry] | None:
-        """The LRU-first unpinned entries (not counting `replaced`, which goes anyway) whose removal
-        lets `pieces` fit the budget, or None if no choice does. Does not mutate."""
-        budget = self.config.max_bytes
-        total = self._ledger.num_bytes + self._ledger.bytes_to_add(pieces)
-        kept = {key for key, _ in pieces}  # stays counted whatever is evicted
-        released: dict[object, int] = {}
-
-        def release(entry: Entry) -> int:
-            freed = 0
-            for key, nbytes in entry.pieces:
-                count = released[key] = released.get(key, 0) + 1
-                if count == self._ledger.refcount(key) and key not in kept:
-                    freed += nbytes
-            return freed
-
-        if replaced is not None:
-            total -= release(replaced)
-        victims: list[Entry] = []
-        if total <= budget:
-            return victims
-        for entry in self._lru:
-            if entry.num_pins or entry is replaced:
-                continue
-            victims.append(entry)
-            total -= release(entry)
-            if total <= budget:
-                return victims
-        return None
-
     def _evict_one(self, entry: Entry) -> int:
         freed = self._drop(entry)
         counters = self._spaces[entry.namespace].counters
@@ -283,8 +291,3 @@ class PrefixCache:
         del self._lru[entry]
         entry.is_cached = False
         return self._ledger.release(entry.pieces)
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

@@ -21,6 +21,7 @@ class Counters:
     num_evicted_bytes: int = 0  # bytes those evictions freed
     num_rejected_too_large: int = 0  # a state larger than the whole budget
     num_rejected_no_room: int = 0  # everything evictable was pinned
+    num_flushed: int = 0  # entries forgotten on request (`PrefixCache.flush`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class CacheStats:
     num_evicted_bytes: int = 0
     num_rejected_too_large: int = 0
     num_rejected_no_room: int = 0
+    num_flushed: int = 0
 
     @property
     def num_hits(self) -> int:

@@ -58,6 +58,15 @@ def _build_core(
         runner = ModelRunner(loaded.decoder, model_config.num_threads)
         result = self_test(runner)
     (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
+    disk = None
+    if cache_config.disk_max_bytes > 0 and cache_config.max_bytes > 0:
+        from prefixserve import __version__
+        from prefixserve.cache.disk import DiskTier
+        from prefixserve.runner.codec import SnapshotCodec
+
+        assert cache_config.disk_dir is not None
+        fingerprint = f"{model_identity(loaded.path)}|{loaded.decoder.kernel_fingerprint()}"
+        disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__, SnapshotCodec())
     max_len = loaded.arch.max_position
     if model_config.max_model_len is not None:
         max_len = min(max_len, model_config.max_model_len)
@@ -69,9 +78,28 @@ def _build_core(
         max_model_len=max_len,
         emit=lambda rid, d: None,
         exact_reuse=result.ok,
+        disk=disk,
     )
     model_id = model_config.served_model_name or loaded.name
     log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
              dtype, device, max_len, torch.get_num_threads(),
              loaded.decoder.decode_kernel + ("" if loaded.decoder.decode_matches_prefill else " (finished turns are not cached)"))
     return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
+
+
+def model_identity(path: str) -> str:
+    """A digest of the model's bytes (a file: all of it; a folder: every file's name, size and
+    mtime), for the disk tier's fingerprint: another model's files are never served."""
+    import hashlib
+    import os
+
+    h = hashlib.blake2b(digest_size=16)
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            st = os.stat(os.path.join(path, name))
+            h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    else:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()

@@ -12,8 +12,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from prefixserve.engine.core import EngineCore
-from prefixserve.engine.protocol import EngineHealth, TokenizerLike
-from prefixserve.types import Delta, FinishReason, InvalidRequest, PromptTooLong, Request
+from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
+from prefixserve.types import Delta, FinishReason, FlushScope, InvalidRequest, PromptTooLong, Request
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
@@ -139,6 +139,13 @@ class AsyncEngine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
+    async def flush_cache(self, scope: FlushScope) -> FlushReport:
+        """Forget the namespaces `scope` selects in every tier; runs on the engine thread between
+        steps (all cache mutation happens there). The caller has checked who may flush what."""
+        fut: Future[FlushReport] = Future()
+        self._submit("call", (lambda: self.core.flush(scope), fut))
+        return await asyncio.wrap_future(fut)
+
     def health(self) -> EngineHealth:
         return EngineHealth(
             ok=self._thread.is_alive(),
@@ -177,6 +184,12 @@ class AsyncEngine:
             "engine_running": float(self.core.num_running()),
             "engine_waiting": float(self.core.num_waiting()),
             "engine_exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
+            # per tier (docs/cache.md): RAM's figures under their tier name, then the disk tier's
+            "cache_ram_hits": float(hits),
+            "cache_ram_bytes": float(self.core.cache.num_bytes),
+            "cache_ram_evictions": float(st.num_evictions),
+            "cache_ram_flushed": float(st.num_flushed),
+            **({f"cache_{k}": v for k, v in self.core.disk.stats().items()} if self.core.disk is not None else {}),
         }
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -189,6 +202,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10.0)
+        if self.core.disk is not None:  # land the queued write-through files before exiting
+            await asyncio.to_thread(self.core.disk.close, 30.0)
 
     # ---- engine thread ------------------------------------------------------------------------
 
@@ -233,3 +248,9 @@ class AsyncEngine:
                 self.core.abort(arg)
             elif kind == "abort_all":
                 self.core.abort_all()
+            elif kind == "call":  # a function to run on this thread, its result to a Future
+                fn, fut = arg
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+                    fut.set_exception(e)

@@ -12,17 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixserve.cache import Hit, PrefixCache
+from prefixserve.cache.disk import DiskTier
 from prefixserve.config import EngineConfig
 from prefixserve.engine.detok import IncrementalDetokenizer
-from prefixserve.engine.protocol import TokenizerLike
-from prefixserve.engine.session import Phase, Session, TurnRefill
-from prefixserve.runner import ModelRunner, StepItem, make_generator, sample
-from prefixserve.types import Delta, FinishReason, Request
+from prefixserve.engine.disk_loads import DiskLoads
+from prefixserve.engine.protocol import FlushReport, TierFlush, TokenizerLike
+from prefixserve.engine.refill import TurnRefills
+from prefixserve.engine.session import Phase, Session
+from prefixserve.runner import ModelRunner, SessionState, StepItem, make_generator, sample
+from prefixserve.runner.pieces import PieceStore
+from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Request
 
 log = logging.getLogger("prefixserve.engine")
 
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
-MAX_PENDING_REFILLS = 8  # finished turns waiting to be re-fed (each holds its session's KV); oldest dropped
 
 Emit = Callable[[str, Delta], None]
 
@@ -49,6 +52,7 @@ class EngineCore:
         max_model_len: int,
         emit: Emit,
         exact_reuse: bool = True,
+        disk: DiskTier | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -60,8 +64,11 @@ class EngineCore:
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
         self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
-        self.refills: deque[TurnRefill] = deque()  # finished 4-bit-decoded turns to re-feed, oldest first
+        self.refills = TurnRefills(runner, config.prefill_chunk_tokens, self._store)  # 4-bit-decoded turns
         self.counters = EngineCounters()
+        self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
+        self.disk = disk  # the disk tier (docs/cache.md), None when off
+        self.loads = DiskLoads(disk, cache, self.pieces)  # sessions waiting on a disk load
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -86,16 +93,33 @@ class EngineCore:
             if s.request.request_id == request_id:
                 self._finish(s, FinishReason.ABORT)
                 return
+        if (parked := self.loads.take(request_id)) is not None:
+            self._finish(parked, FinishReason.ABORT)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
-        self.refills.clear()
-        for s in list(self.waiting) + list(self.running):
+        self.refills.drop(lambda ns: True)
+        for s in list(self.waiting) + list(self.running) + self.loads.take_all():
             if s in self.waiting:
                 self.waiting.remove(s)
             self._finish(s, reason)
 
+    def flush(self, scope: FlushScope) -> FlushReport:
+        """Forget the namespaces `scope` selects in every tier. Sessions of those namespaces already
+        running keep what they copied but insert nothing more, so nothing computed before the flush
+        is cached after it."""
+        ram = self.cache.flush(scope.selects)
+        self.refills.drop(scope.selects)
+        for s in [*self.waiting, *self.running, *self.loads.sessions()]:
+            if scope.selects(s.request.namespace):
+                s.cacheable = False
+        tiers = [TierFlush("ram", ram.num_entries, ram.num_bytes)]
+        if self.disk is not None:
+            disk = self.disk.flush(scope)
+            tiers.append(TierFlush("disk", disk.num_entries, disk.num_bytes))
+        return FlushReport(tuple(tiers))
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.refills)
+        return bool(self.waiting or self.running or self.loads or self.refills)
 
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
@@ -119,14 +143,14 @@ class EngineCore:
             items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))  # type: ignore[arg-type]
             prefill_ends.append((s, start, end))
             budget -= end - start
-        refill = self._refill_item(budget) if not prefill_ends and not self.waiting else None
+        refill = self.refills.next_item(budget) if not prefill_ends and not self.waiting else None
         if refill is not None:
             items.append(refill)
         if items:
             self.runner.step(items)
             self.counters.num_steps += 1
         if refill is not None:
-            self._finish_refill()
+            self.refills.after_step()
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
             if end == s.prompt_len:
@@ -147,15 +171,19 @@ class EngineCore:
     # ---- admission: cache lookup and restore --------------------------------------------------
 
     def _admit(self) -> None:
+        if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
+            self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             s = self.waiting.popleft()
+            if self.exact_reuse and self.loads.park(s):
+                continue
             self.running.append(s)
             self._start(s)
 
     def _start(self, s: Session) -> None:
         req = s.request
         if self.refills:
-            self._complete_refills_for(req)
+            self.refills.complete_for(req.namespace, tuple(req.prompt_ids))
         hit = self.cache.lookup(req.namespace, req.prompt_ids) if self.exact_reuse else None
         if isinstance(hit, Hit):
             self.cache.pin(hit.entry)  # held until the copy is made (now, or next step for a full hit)
@@ -200,10 +228,17 @@ class EngineCore:
         s.to_insert.clear()
 
     def _insert(self, s: Session, num_tokens: int) -> None:
-        if not self.exact_reuse or self.cache.config.max_bytes == 0:
+        if not self.exact_reuse or self.cache.config.max_bytes == 0 or not s.cacheable:
             return
         assert s.state is not None and num_tokens <= s.state.num_tokens
-        self.cache.insert(s.request.namespace, s.request.prompt_ids[:num_tokens], s.state.snapshot(num_tokens))
+        self._store(s.request.namespace, tuple(s.request.prompt_ids[:num_tokens]), s.state)
+
+    def _store(self, ns: Namespace, key: tuple[int, ...], state: SessionState) -> None:
+        """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk)."""
+        # piece edges at the cached entries on this key's path: their pieces are shared, not copied
+        snap = self.pieces.snapshot(state, key, ns, self.cache.entry_lengths(ns, key))
+        if self.cache.insert(ns, key, snap).stored and self.disk is not None:
+            self.disk.offer(ns, key, snap)  # write-through, on the tier's writer thread
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 
@@ -268,51 +303,15 @@ class EngineCore:
 
         Dense decode runs the prefill calls, so the session's state is exact as it is (the reply's
         last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
-        recomputation's: the state is cut back to its exact prompt and the whole reply is queued to
-        be re-fed by prefill (`TurnRefill`), off the steps that serve prompts."""
+        recomputation's: the state goes to `self.refills` (engine/refill.py) to be re-fed by prefill."""
         st = s.state
-        if not self.config.offer_finished_turns or st is None or not s.output_ids:
+        if not self.config.offer_finished_turns or st is None or not s.output_ids or not s.cacheable:
             return
         if not self.exact_reuse or self.cache.config.max_bytes == 0:
             return
         if self.runner.decoder.decode_matches_prefill:
             if st.num_tokens > s.prompt_len:
                 ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
-                self.cache.insert(s.request.namespace, ids, st.snapshot())
+                self._store(s.request.namespace, ids, st)
             return
-        st.truncate(s.prompt_len)
-        self.refills.append(TurnRefill(s.request.namespace, tuple(s.request.prompt_ids) + tuple(s.output_ids), st))
-        if len(self.refills) > MAX_PENDING_REFILLS:
-            self.refills.popleft()
-
-    def _refill_item(self, budget: int) -> StepItem | None:
-        """The next chunk of the oldest pending refill, within `budget` tokens (None: nothing to do)."""
-        if not self.refills or budget <= 0:
-            return None
-        r = self.refills[0]
-        start = r.state.num_tokens
-        end = min(len(r.token_ids), start + min(self.config.prefill_chunk_tokens, budget))
-        return StepItem(r.state, r.token_ids[start:end], want_logits=end == len(r.token_ids))
-
-    def _complete_refills_for(self, req: Request) -> None:
-        """A new prompt that continues a pending refill's turn (the next message of that chat) would
-        compute the same reply tokens itself: finish that refill now, so the prompt hits all of it."""
-        for r in list(self.refills):
-            if r.namespace != req.namespace or len(req.prompt_ids) <= r.state.num_tokens:
-                continue
-            if req.prompt_ids[: r.state.num_tokens + 1] != r.token_ids[: r.state.num_tokens + 1]:
-                continue
-            self.refills.remove(r)
-            self.refills.appendleft(r)
-            while self.refills and self.refills[0] is r:
-                item = self._refill_item(self.config.prefill_chunk_tokens)
-                assert item is not None
-                self.runner.step([item])
-                self._finish_refill()
-
-    def _finish_refill(self) -> None:
-        """After a step that fed the oldest refill: insert it once it covers the whole turn."""
-        r = self.refills[0]
-        if r.state.num_tokens == len(r.token_ids):
-            self.refills.popleft()
-            self.cache.insert(r.namespace, r.token_ids, r.state.snapshot())
+        self.refills.offer(s.request.namespace, tuple(s.request.prompt_ids) + tuple(s.output_ids), st, s.prompt_len)

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefixserve.types import Delta, InvalidRequest, PromptTooLong, Request, TemplateError
+from prefixserve.types import Delta, FlushScope, InvalidRequest, PromptTooLong, Request, TemplateError
 
-__all__ = ["EngineClient", "EngineHealth", "InvalidRequest", "PromptTooLong", "TemplateError", "TokenizerLike"]
+__all__ = ["EngineClient", "EngineHealth", "FlushReport", "FlushScope", "InvalidRequest", "PromptTooLong", "TemplateError", "TokenizerLike"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,31 @@ class EngineHealth:
     decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/quant.py)
     dtype: str = ""  # the runtime dtype the self-test chose ("bfloat16" / "float32")
     tiles: str = ""  # row tiles of every dense matmul (docs/exactness.md), e.g. "64"
+
+
+@dataclass(frozen=True, slots=True)
+class TierFlush:
+    """What one cache tier forgot."""
+
+    tier: str  # "ram", "disk"
+    num_entries: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What a cache flush forgot, per tier. Totals add the tiers: an entry held in RAM and on disk
+    counts in both (two copies went)."""
+
+    tiers: tuple[TierFlush, ...]
+
+    @property
+    def num_entries(self) -> int:
+        return sum(t.num_entries for t in self.tiers)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tiers)
 
 
 class TokenizerLike(Protocol):
@@ -55,6 +80,11 @@ class EngineClient(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """Aggregate counters and gauges (no tenant labels): cache_bytes, cache_entries, evictions, ..."""
+        ...
+
+    async def flush_cache(self, scope: FlushScope) -> FlushReport:
+        """Forget every cached entry of the namespaces `scope` selects, in every tier; no later lookup
+        finds them. Who may flush what is the caller's check."""
         ...
 
     async def shutdown(self, drain: bool = True) -> None:

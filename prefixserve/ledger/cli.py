@@ -13,7 +13,7 @@ import os
 import sqlite3
 import sys
 
-from prefixserve.config import ServerConfig
+from prefixserve.config import ServerConfig, default_data_dir
 from prefixserve.ledger import store
 from prefixserve.ledger.api import MAX_TIME
 from prefixserve.ledger.records import BUCKET_WIDTHS, UsageQuery, UsageRow
@@ -23,14 +23,20 @@ HEADER = ("tenant", "day", "requests", "input", "cached", "output", "cost_usd")
 
 
 def default_db_path(config: ServerConfig | None = None) -> str:
-    """The ledger file a server with `config` writes: ledger_path, else <data_dir>/usage.sqlite3."""
+    """The ledger file a server with `config` writes: ledger_path, else <data_dir>/usage.sqlite3, with
+    the environment's PREFIXSERVE_LEDGER_PATH / data directory (`config.default_data_dir`) where
+    `config` leaves them open, exactly as `prefixserve serve` resolves them."""
     config = config if config is not None else ServerConfig()
-    return config.ledger_path or os.path.join(config.data_dir, "usage.sqlite3")
+    ledger_path = config.ledger_path or os.environ.get("PREFIXSERVE_LEDGER_PATH")
+    return ledger_path or os.path.join(config.data_dir or default_data_dir(os.environ), "usage.sqlite3")
 
 
 def add_usage_args(parser: argparse.ArgumentParser) -> None:
     """Add the `usage` subcommand's arguments to `parser`."""
-    parser.add_argument("--db", default=None, help=f"ledger file (default: {default_db_path()})")
+    parser.add_argument("--db", default=None, help="ledger file (default: <data dir>/usage.sqlite3)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="the server's data directory (default: $PREFIXSERVE_DATA_DIR, else "
+                             "$XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     parser.add_argument(
         "--since",
         type=parse_since,
@@ -48,7 +54,7 @@ def add_usage_args(parser: argparse.ArgumentParser) -> None:
 
 def run_usage(args: argparse.Namespace) -> int:
     """Print the table to stdout. 0 on success, 1 when the ledger cannot be read, 2 on a bad range."""
-    path = args.db or default_db_path()
+    path = args.db or default_db_path(ServerConfig(data_dir=getattr(args, "data_dir", None) or ""))
     since = 0 if args.since is None else args.since
     until = MAX_TIME + 1 if args.until is None else args.until
     if until <= since:

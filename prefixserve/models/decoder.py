@@ -101,7 +101,8 @@ class Decoder:
         return "int4" if self.int4_decode else "dense"
 
     def kernel_fingerprint(self) -> str:
-        """Everything about the runtime's kernel choices that changes the bits of a state."""
+        """Everything of the runtime's own choices that changes a state's bits (dtype, device, decode
+        kernel, tile plan, attention tiling), for the disk cache tier's file fingerprint (docs/cache.md)."""
         return f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}|attn=block32x16"
 
     def drop_int4(self) -> None:

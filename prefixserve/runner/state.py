@@ -8,7 +8,9 @@ entry and one entry can seed any number of concurrent sessions.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -84,18 +86,55 @@ class SessionState:
         return SessionState(self.kv.clone(), self.num_tokens, None if self.logits is None else self.logits.clone())
 
 
+@dataclass(frozen=True, slots=True)
+class KVPiece:
+    """KV of tokens [start, end) of one prefix, as a compact tensor [num_layers, 2, num_kv_heads,
+    end - start, head_dim]. `key` names the memory for the cache's byte accounting: two snapshots
+    holding the same piece hold the same tensor and the same key (see runner/pieces.py)."""
+
+    start: int
+    end: int
+    key: Hashable
+    kv: torch.Tensor
+
+
 class KVSnapshot:
-    """Immutable cached state (implements cache.CachedState). Never handed to a session directly."""
+    """Immutable cached state (implements cache.CachedState). Never handed to a session directly.
+
+    Its KV is a run of pieces covering [0, num_tokens) in order; pieces may be shared with other
+    snapshots (runner/pieces.py) and are never written after construction, so sharing is safe."""
 
     truncatable = True
 
     def __init__(self, kv: torch.Tensor, logits: torch.Tensor | None) -> None:
-        self._kv = kv  # [num_layers, 2, num_kv_heads, num_tokens, head_dim], compact
+        """One private piece: kv [num_layers, 2, num_kv_heads, num_tokens, head_dim], compact."""
+        self._pieces: tuple[KVPiece, ...] = (KVPiece(0, kv.shape[3], ("own", kv.untyped_storage().data_ptr()), kv),)
         self._logits = logits
+
+    @classmethod
+    def from_pieces(cls, pieces: Sequence[KVPiece], logits: torch.Tensor | None) -> KVSnapshot:
+        """A snapshot of pieces that tile [0, end of the last) in order (asserted)."""
+        assert pieces and pieces[0].start == 0
+        assert all(a.end == b.start for a, b in itertools.pairwise(pieces))
+        snap = cls.__new__(cls)
+        snap._pieces = tuple(pieces)
+        snap._logits = logits
+        return snap
+
+    @property
+    def pieces(self) -> tuple[KVPiece, ...]:
+        return self._pieces
+
+    @property
+    def _kv(self) -> torch.Tensor:
+        """The whole KV as one tensor (a concatenated copy when the snapshot has several pieces)."""
+        if len(self._pieces) == 1:
+            return self._pieces[0].kv
+        return torch.cat([p.kv for p in self._pieces], dim=3)
 
     @property
     def num_tokens(self) -> int:
-        return self._kv.shape[3]
+        return self._pieces[-1].end
 
     @property
     def has_logits(self) -> bool:
@@ -110,18 +149,24 @@ class KVSnapshot:
         return sum(n for _, n in self.storage())
 
     def storage(self) -> list[tuple[Hashable, int]]:
-        pieces: list[tuple[Hashable, int]] = [(self._kv.untyped_storage().data_ptr(), self._kv.untyped_storage().nbytes())]
+        pieces: list[tuple[Hashable, int]] = [(p.key, p.kv.untyped_storage().nbytes()) for p in self._pieces]
         if self._logits is not None:
-            pieces.append((self._logits.untyped_storage().data_ptr(), self._logits.untyped_storage().nbytes()))
+            pieces.append((("logits", self._logits.untyped_storage().data_ptr()), self._logits.untyped_storage().nbytes()))
         return pieces
 
     def restore(self, num_tokens: int, extra_capacity: int) -> SessionState:
-        """Deep-copy the first `num_tokens` into a new SessionState with room for `extra_capacity` more."""
+        """Deep-copy the first `num_tokens` into a new SessionState with room for `extra_capacity` more:
+        one copy per piece, each into its own token range."""
         assert 0 < num_tokens <= self.num_tokens
-        layers, two, heads, _, head_dim = self._kv.shape
-        state = SessionState.empty((layers, two, heads, head_dim), self._kv.dtype, str(self._kv.device),
+        layers, two, heads, _, head_dim = self._pieces[0].kv.shape
+        kv0 = self._pieces[0].kv
+        state = SessionState.empty((layers, two, heads, head_dim), kv0.dtype, str(kv0.device),
                                    num_tokens + extra_capacity)
-        state.kv[:, :, :, :num_tokens] = self._kv[:, :, :, :num_tokens]
+        for p in self._pieces:
+            if p.start >= num_tokens:
+                break
+            end = min(p.end, num_tokens)
+            state.kv[:, :, :, p.start : end] = p.kv[:, :, :, : end - p.start]
         state.num_tokens = num_tokens
         if num_tokens == self.num_tokens and self._logits is not None:
             state.logits = self._logits.clone()

@@ -25,6 +25,7 @@ from prefixserve.server.auth import KeyStore
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.completions import prepare_completion
 from prefixserve.server.errors import APIError, bad_request, install_error_handlers
+from prefixserve.server.flush import flush_payload, flush_scope
 from prefixserve.server.generation import respond
 from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
@@ -135,6 +136,15 @@ def create_app(
             )
         except UsageQueryError as e:
             raise bad_request(e.message, e.param) from None
+
+    @app.delete("/v1/cache")
+    async def flush_cache(request: Request) -> dict[str, Any]:
+        principal = keys.identify(authorization(request))
+        scope = flush_scope(principal, await read_body(request), request.query_params)
+        report = await engine.flush_cache(scope)
+        logger.info("cache flush (tenant %s, salt %s): %d entries, %d bytes", scope.tenant_id or "*",
+                    "*" if scope.cache_salt is None else "given", report.num_entries, report.num_bytes)
+        return flush_payload(scope, report)
 
     async def _generate(request: Request, prepared: Prepared) -> Response:
         tracker = RequestTracker(

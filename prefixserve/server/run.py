@@ -17,7 +17,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixserve.config import DECODE_KERNELS, DTYPES, CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from prefixserve.config import (
+    DECODE_KERNELS,
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+    default_data_dir,
+)
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 
@@ -52,6 +60,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "api_keys_file": ("PREFIXSERVE_API_KEYS_FILE", str, None),
     "admin_key": ("PREFIXSERVE_ADMIN_KEY", str, None),
     "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
+    "cache_dir": ("PREFIXSERVE_CACHE_DIR", str, None),  # None = <data dir>/cache
+    "cache_disk_bytes": ("PREFIXSERVE_CACHE_DISK_BYTES", parse_bytes, 0),
     "max_model_len": ("PREFIXSERVE_MAX_MODEL_LEN", int, None),
     "dtype": ("PREFIXSERVE_DTYPE", str, "auto"),
     "device": ("PREFIXSERVE_DEVICE", str, "auto"),
@@ -60,7 +70,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_num_seqs": ("PREFIXSERVE_MAX_NUM_SEQS", int, EngineConfig().max_num_seqs),
     "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
     "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
-    "data_dir": ("PREFIXSERVE_DATA_DIR", str, "data"),
+    "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
     "pricing": ("PREFIXSERVE_PRICING", str, None),
     "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
@@ -95,6 +105,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)",
     )
+    a("--cache-dir", metavar="PATH",
+      help="the disk cache tier's directory (PREFIXSERVE_CACHE_DIR; default <data-dir>/cache)")
+    a("--cache-disk-bytes", type=parse_bytes, metavar="N",
+      help="disk cache tier budget, e.g. 20G; 0 (the default) = no disk tier (PREFIXSERVE_CACHE_DISK_BYTES)")
     a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
@@ -105,7 +119,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
-    a("--data-dir", metavar="DIR", help="created at start (PREFIXSERVE_DATA_DIR; default data)")
+    a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
+      "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     a(
         "--ledger-path",
         metavar="PATH",
@@ -144,13 +159,14 @@ def run_serve(args: argparse.Namespace) -> int:
             max_model_len=s["max_model_len"],
             num_threads=s["num_threads"],
         )
-        cache_config = CacheConfig(max_bytes=s["cache_max_bytes"])
+        data_dir = Path(s["data_dir"] or default_data_dir(env))
+        cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),
+                                   disk_max_bytes=s["cache_disk_bytes"])
         engine_config = EngineConfig(
             prefill_chunk_tokens=s["prefill_chunk_tokens"],
             max_batch_tokens=s["max_batch_tokens"],
             max_num_seqs=s["max_num_seqs"],
         )
-        data_dir = Path(s["data_dir"])
         server_config = ServerConfig(
             host=s["host"],
             port=s["port"],
@@ -162,6 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         data_dir.mkdir(parents=True, exist_ok=True)
+        if cache_config.disk_max_bytes and cache_config.disk_dir:  # an unusable cache dir is a config error
+            Path(cache_config.disk_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         ledger = None if s["no_ledger"] else open_ledger(server_config, getattr(args, "prices", None) or ())
     except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
         print(f"prefixserve serve: {e}", file=sys.stderr)

@@ -205,6 +205,7 @@ def test_stats_aggregate_over_namespaces() -> None:
         "num_evicted_bytes": 0,
         "num_rejected_too_large": 0,
         "num_rejected_no_room": 0,
+        "num_flushed": 0,
     }
     assert total.num_hits == 2
 

@@ -15,8 +15,8 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from prefixserve.engine.protocol import EngineHealth, PromptTooLong, TemplateError
-from prefixserve.types import Delta, FinishReason, Namespace, Request, Usage
+from prefixserve.engine.protocol import EngineHealth, FlushReport, PromptTooLong, TemplateError, TierFlush
+from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Request, Usage
 
 OFFSET = 3
 
@@ -126,6 +126,12 @@ class FakeEngine:
 
     async def shutdown(self, drain: bool = True) -> None:
         self.shutdown_calls.append(drain)
+
+    async def flush_cache(self, scope: FlushScope) -> FlushReport:
+        """Forget the selected namespaces' prompts (100 bytes each, as `metrics` counts them)."""
+        gone = [ns for ns in self._cache if scope.selects(ns)]
+        num = sum(len(self._cache.pop(ns)) for ns in gone)
+        return FlushReport((TierFlush("ram", num, num * 100),))
 
     def _lookup(self, ns: Namespace, ids: tuple[int, ...]) -> int:
         best = 0

@@ -91,7 +91,7 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert run._resolve(args, "no_ledger", env) is True
     assert run._resolve(args, "dtype", env) == "fp32"
     assert run._resolve(args, "host", env) == "127.0.0.1"
-    assert run._resolve(args, "data_dir", env) == "data"
+    assert run._resolve(args, "data_dir", env) is None  # resolved by config.default_data_dir
     assert args.api_keys == ["alice sk-1", "sk-2"]
     assert run._resolve(_args("--no-ledger"), "no_ledger", {}) is True
     assert run._resolve(_args(), "no_ledger", {}) is False

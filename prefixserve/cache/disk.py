@@ -1,0 +1,290 @@
+"""The disk tier (L2): entries written through to files off the engine thread, kept when RAM evicts
+them, loaded back on a RAM miss, surviving restarts. Contracts and the file format: docs/cache.md.
+
+Threads: the engine thread calls `lookup`, `load`, `offer`, `flush`, `stats`; one writer thread
+writes files; one loader thread reads them. Everything shared (the index, counters, the job queue)
+is guarded by `_lock`; file IO and (de)serialisation run outside it. The index is a `PrefixCache`
+over digest namespaces whose states are `DiskRef`s (bytes = file sizes), so the disk budget is the
+same LRU as RAM's. Another tier (Redis, issue 16) would keep the same keys, header and fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
+from prefixserve.cache.entry import Entry, FlushResult, Hit
+from prefixserve.cache.prefix_cache import PrefixCache
+from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, disk_ns, ns_digest, selects
+from prefixserve.config import CacheConfig
+from prefixserve.types import FlushScope, Namespace
+
+log = logging.getLogger("prefixserve.cache")
+SUFFIX = ".kv"
+MAX_PENDING_WRITES = 256  # more queued than this: new offers are dropped (counted), never block
+
+@dataclass(frozen=True, slots=True)
+class DiskRef:
+    """A file's place in the disk index (implements CachedState)."""
+
+    path: str
+    num_tokens: int
+    has_logits: bool
+    nbytes: int
+    truncatable: bool = True
+
+    def storage(self) -> list[tuple[Hashable, int]]:
+        return [(self.path, self.nbytes)]
+
+
+class DiskTier:
+    def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec) -> None:
+        """Scan `directory` (created, mode 0700): keep intact files of this fingerprint and runtime,
+        remove the rest, evict LRU (by mtime) over `max_bytes`. Starts the writer and loader threads."""
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.runtime = runtime
+        self._codec = codec
+        self._index = PrefixCache(CacheConfig(max_bytes=max_bytes))
+        self._lock = threading.Condition()
+        self._c = TierCounters()
+        self._pending: deque[tuple[Namespace, tuple[int, ...], Any, int]] = deque()
+        self._epoch = 0  # bumped by every flush; a write that straddles one is re-checked
+        self._flushes: list[tuple[int, FlushScope]] = []
+        self._closed = False
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._scan()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-disk-load")
+        self._writer = threading.Thread(target=self._write_loop, name="prefixserve-disk-write", daemon=True)
+        self._writer.start()
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, prompt: Sequence[int]) -> Hit | None:
+        """The disk entry serving the most of `prompt` (RAM's rules), or None. Touches its recency."""
+        with self._lock:
+            self._c.num_lookups += 1
+            if self._index.num_entries == 0:
+                return None
+            hit = self._index.lookup(disk_ns(ns), prompt)
+            if not isinstance(hit, Hit):
+                return None
+            self._c.num_hits += 1
+            return hit
+
+    def load(self, hit: Hit) -> Future[Loaded | LoadFailed]:
+        """Read, verify and decode `hit`'s file on the loader thread. The entry is pinned meanwhile
+        (not evicted; a flush still forgets it). A corrupt file is dropped, logged and counted."""
+        with self._lock:
+            self._index.pin(hit.entry)
+        return self._loader.submit(self._load, hit.entry)
+
+    def offer(self, ns: Namespace, token_ids: tuple[int, ...], state: Any) -> bool:
+        """Queue `state` (immutable from now on, as a cache entry is) to be written; False if the queue
+        is full or the tier is closed. Never blocks on IO."""
+        with self._lock:
+            if self._closed or len(self._pending) >= MAX_PENDING_WRITES:
+                self._c.num_dropped_writes += 1
+                return False
+            self._pending.append((ns, token_ids, state, self._epoch))
+            self._lock.notify()
+            return True
+
+    def flush(self, scope: FlushScope) -> FlushResult:
+        """Forget (and delete the files of) every entry of the namespaces `scope` selects, queued
+        writes included; a write in progress is deleted when it lands."""
+        with self._lock:
+            self._epoch += 1
+            self._flushes.append((self._epoch, scope))
+            self._pending = deque(j for j in self._pending if not scope.selects(j[0]))
+            gone = [_path_of(e) for e in self._index.entries() if selects(scope, e.namespace)]
+            result = self._index.flush(lambda dns: selects(scope, dns))
+            self._c.num_flushed += result.num_entries
+        _remove(gone)
+        return result
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges as `disk_*` (docs/cache.md, "Metrics"). No namespace appears."""
+        with self._lock:
+            out = {"disk_" + f.name.removeprefix("num_"): float(getattr(self._c, f.name))
+                   for f in fields(TierCounters)}
+            out.update(disk_bytes=float(self._index.num_bytes), disk_max_bytes=float(self._index.config.max_bytes),
+                       disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._pending)))
+            return out
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every queued write has landed; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.05))
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to `timeout`), then stop both threads."""
+        self.wait_idle(timeout)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._writer.join(timeout)
+        self._loader.shutdown(wait=True)
+
+    def check_integrity(self) -> None:
+        """The index's invariants; every indexed file exists with its counted size."""
+        with self._lock:
+            self._index.check_integrity()
+            for e in self._index.entries():
+                assert os.path.getsize(_path_of(e)) == e.nbytes, f"{_path_of(e)} changed size"
+
+    # ---- writer / loader threads ----------------------------------------------------------------
+
+    _busy = False
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if not self._pending:
+                    return
+                ns, key, state, epoch = self._pending.popleft()
+                dns = disk_ns(ns)
+                path = self._path(dns, key)
+                held = self._index.get(dns, key)  # written already (with logits if these have them)
+                present = held is not None and (held.has_logits or not state.has_logits)
+                self._busy = not present
+            if not present:
+                try:
+                    self._write(ns, dns, key, state, epoch, path)
+                except Exception:  # a full disk or a bug: this entry is not persisted; serving goes on
+                    log.exception("disk tier: writing %s failed", os.path.basename(path))
+                    _remove([path + ".tmp"])
+            with self._lock:
+                self._busy = False
+                if not self._pending:  # no write outstanding can predate a flush any more
+                    self._flushes.clear()
+                self._lock.notify_all()
+
+    def _write(self, ns: Namespace, dns: Namespace, key: tuple[int, ...], state: Any, epoch: int, path: str) -> None:
+        meta, payload = self._codec.encode(state)
+        header = FileHeader(self.runtime, self.fingerprint, dns.model_id, dns.tenant_id, dns.cache_salt, key,
+                            bool(state.has_logits), meta, len(payload))
+        data = encode_file(header, payload)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.directory)
+        with self._lock:
+            if any(e > epoch and scope.selects(ns) for e, scope in self._flushes):
+                stale = [path]  # flushed while being written
+            else:
+                result = self._index.insert(dns, key, DiskRef(path, len(key), bool(state.has_logits), len(data)))
+                stale = [_path_of(e) for e in result.evicted]
+                if not result.stored:  # refused; a kept entry of this key lost its file to the rename
+                    stale.append(path)
+                    if result.entry is not None:
+                        self._index.discard(result.entry)
+                self._c.num_evictions += len(result.evicted)
+                self._c.num_writes += result.stored
+                self._c.num_write_bytes += len(data) if result.stored else 0
+        _remove(stale)
+
+    def _load(self, entry: Entry) -> Loaded | LoadFailed:
+        t0 = time.monotonic()
+        ref: DiskRef = entry.state  # type: ignore[assignment]
+        try:
+            with open(ref.path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)  # read once, into memory the state keeps
+                if f.readinto(data) != len(data):
+                    raise CorruptFile("truncated while being read")
+            header, payload = read_file(data)
+            if header.token_ids != entry.token_ids or header.fingerprint != self.fingerprint:
+                raise CorruptFile("the file does not hold the entry it was indexed as")
+            state = self._codec.decode(header.meta, payload, len(header.token_ids))
+        except (CorruptFile, OSError, ValueError, RuntimeError) as e:
+            corrupt = not isinstance(e, FileNotFoundError)
+            if corrupt:
+                log.warning("disk tier: dropping %s: %s", os.path.basename(ref.path), e)
+            with self._lock:
+                self._index.unpin(entry)
+                self._c.num_load_failures += 1
+                self._c.num_corrupt_files += corrupt
+                if corrupt:
+                    self._index.discard(entry)
+            _remove([ref.path] if corrupt else [])
+            return LoadFailed(str(e))
+        seconds = time.monotonic() - t0
+        with self._lock:
+            self._index.unpin(entry)
+            self._c.num_loads += 1
+            self._c.load_seconds_total += seconds
+            self._c.load_seconds_max = max(self._c.load_seconds_max, seconds)
+        return Loaded(entry.token_ids, state, seconds)
+
+    def _path(self, dns: Namespace, key: tuple[int, ...]) -> str:
+        digest = hashlib.blake2b(array("i", key).tobytes(), digest_size=16).hexdigest()
+        return os.path.join(self.directory, f"{ns_digest(dns)}-{digest}{SUFFIX}")
+
+    def _scan(self) -> None:
+        found = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.endswith(".tmp"):
+                _remove([path])  # a write cut short by a crash
+            elif name.endswith(SUFFIX):
+                try:
+                    size = os.path.getsize(path)
+                    with open(path, "rb") as f:
+                        header = read_header(f, size)
+                except (CorruptFile, OSError) as e:
+                    log.warning("disk tier: dropping %s: %s", name, e)
+                    self._c.num_corrupt_files += 1
+                    _remove([path])
+                    continue
+                if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
+                    self._c.num_stale_files += 1
+                    _remove([path])
+                    continue
+                found.append((os.path.getmtime(path), path, size, header))
+        for _, path, size, h in sorted(found):  # oldest first: the LRU order survives the restart
+            dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
+            result = self._index.insert(dns, h.token_ids, DiskRef(path, len(h.token_ids), h.has_logits, size))
+            _remove([_path_of(e) for e in result.evicted] + ([] if result.stored else [path]))
+        log.info("disk tier %s: %d entries, %d bytes", self.directory, self._index.num_entries, self._index.num_bytes)
+
+
+def _path_of(entry: Entry) -> str:
+    assert isinstance(entry.state, DiskRef)
+    return entry.state.path
+
+
+def _remove(paths: Sequence[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,67 @@
+"""What every lower cache tier shares (disk now, Redis in issue 16): how namespaces and keys are
+named outside RAM, the runtime's codec, and the named results of a load. See docs/cache.md."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prefixserve.types import FlushScope, Namespace
+
+
+class Codec(Protocol):
+    """The runtime's (de)serialisation of a cached state; the tier only moves bytes."""
+
+    def encode(self, state: Any) -> tuple[dict[str, Any], bytes]: ...
+
+    def decode(self, meta: dict[str, Any], payload: memoryview, num_tokens: int) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    token_ids: tuple[int, ...]
+    state: Any  # the codec's decoded state
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFailed:
+    reason: str
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """A lower tier's counters (metrics `disk_*` for the disk tier). Mutated under the tier's lock."""
+
+    num_lookups: int = 0
+    num_hits: int = 0  # lookups that found a usable file
+    num_loads: int = 0  # files read back into RAM
+    num_load_failures: int = 0
+    num_corrupt_files: int = 0  # torn, truncated or bit-flipped files dropped
+    num_stale_files: int = 0  # files of another model, dtype, kernel or runtime removed
+    num_writes: int = 0
+    num_write_bytes: int = 0
+    num_dropped_writes: int = 0
+    num_evictions: int = 0
+    num_flushed: int = 0
+    load_seconds_total: float = 0.0
+    load_seconds_max: float = 0.0
+
+
+def digest(kind: str, value: str) -> str:
+    """A namespace component's name on disk: never the tenant id or salt itself."""
+    return hashlib.sha256(f"prefixserve:{kind}\0{value}".encode()).hexdigest()[:32]
+
+
+def disk_ns(ns: Namespace) -> Namespace:
+    return Namespace(digest("model", ns.model_id), digest("tenant", ns.tenant_id), digest("salt", ns.cache_salt))
+
+
+def ns_digest(dns: Namespace) -> str:
+    return hashlib.sha256(f"{dns.model_id}|{dns.tenant_id}|{dns.cache_salt}".encode()).hexdigest()[:32]
+
+
+def selects(scope: FlushScope, dns: Namespace) -> bool:
+    return (scope.tenant_id is None or dns.tenant_id == digest("tenant", scope.tenant_id)) and (
+        scope.cache_salt is None or dns.cache_salt == digest("salt", scope.cache_salt))
