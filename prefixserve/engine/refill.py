@@ -53,7 +53,8 @@ class TurnRefills:
         r = self._queue[0]
         start = r.state.num_tokens
         end = min(len(r.token_ids), start + min(self.chunk_tokens, budget))
-        return StepItem(r.state, r.token_ids[start:end], want_logits=end == len(r.token_ids))
+        # no logits: the next turn always extends the entry, so they could never serve a full hit
+        return StepItem(r.state, r.token_ids[start:end], want_logits=False)
 
     def after_step(self) -> None:
         """Store the oldest refill once it covers its whole turn."""

@@ -102,7 +102,8 @@ def test_fifty_users_of_one_system_prompt_cost_one_copy_of_it() -> None:
     shared = lcp(prompts[0], prompts[1])
     assert shared >= 2000
     core = EngineCore(runner, tok, PrefixCache(CacheConfig(max_bytes=1 << 30)),
-                      EngineConfig(prefill_chunk_tokens=256, max_batch_tokens=512), 4096, lambda r, d: None)
+                      EngineConfig(prefill_chunk_tokens=256, max_batch_tokens=512, offer_finished_turns=False), 4096,
+                      lambda r, d: None)  # entries of prompts only: finished turns are the turn tests' subject
     for ids in prompts:
         core.add(Request(uuid.uuid4().hex, NS, tuple(ids), SamplingParams(max_tokens=1, temperature=0.0)))
         while core.has_work():
