@@ -201,7 +201,7 @@ def test_usage_on_abort_is_what_was_computed():
 
 
 def test_admission_waits_for_the_session_budget_and_refuses_what_never_fits():
-    model, runner = load_embedded("int4")
+    _, runner = load_embedded("int4")
     per_token = runner.kv_bytes_per_token()
     ps = prompts()
     one = (len(ps[0]) + 8) * per_token
