@@ -57,6 +57,8 @@ class EngineConfig:
     max_batch_tokens: int = 512  # token budget of one engine step (decode rows + prefill chunks)
     max_num_seqs: int = 64  # sessions running at once; the rest wait
     offer_finished_turns: bool = True  # cache prompt + reply so the next chat turn hits
+    max_queued_requests: int = 256  # requests waiting for admission; past it new ones get 429
+    max_session_bytes: int = 4 << 30  # KV of all running sessions together; admission waits past it
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
@@ -65,6 +67,10 @@ class EngineConfig:
             raise ValueError("max_batch_tokens must be >= prefill_chunk_tokens")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.max_session_bytes < 1:
+            raise ValueError("max_session_bytes must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

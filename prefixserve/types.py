@@ -89,6 +89,18 @@ class TemplateError(ValueError):
     """The messages / tools could not be rendered through the chat template. A client error (400)."""
 
 
+class Overloaded(RuntimeError):
+    """The engine's queue is full; the client should retry later (429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(RuntimeError):
+    """The engine is shutting down or cannot continue (503)."""
+
+
 class InvalidRequest(ValueError):
     """Anything else about a request the engine cannot serve (e.g. token ids outside the vocabulary). 400."""
 

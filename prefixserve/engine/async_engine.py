@@ -13,10 +13,21 @@ from typing import Any, TypeVar
 
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
-from prefixserve.types import Delta, FinishReason, FlushScope, InvalidRequest, PromptTooLong, Request
+from prefixserve.types import (
+    Delta,
+    FinishReason,
+    FlushScope,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+    Request,
+    Unavailable,
+)
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
+METRICS_EVERY_S = 0.25  # the engine thread refreshes the metrics snapshot at most this often
+MAX_FAILED_STEPS = 3  # failed steps in a row (no progress) after which every request is failed
 
 
 class TorchThread:
@@ -93,7 +104,11 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._last_failure: str | None = None  # the last failed step (its requests failed; serving went on)
+        self._dead: str | None = None  # why the engine loop cannot continue; then every request ends at once
+        self._metrics: dict[str, float] = {}
+        self._metrics_at = 0.0
         core.emit = self._emit
+        self._snapshot_metrics()  # before the engine thread starts: after that, only it reads the core
         self._thread = thread or TorchThread()
         self._thread.run_last(self._run)
 
@@ -101,8 +116,13 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
         self.validate(request)
+        if self._dead is not None:
+            raise Unavailable(f"the engine has stopped: {self._dead}")
         if not self._accepting:
-            raise RuntimeError("the server is shutting down")
+            raise Unavailable("the server is shutting down")
+        limit = self.core.config.max_queued_requests
+        if self.core.num_waiting() + self._inbox.qsize() >= limit:
+            raise Overloaded(f"too many requests are waiting ({limit}); retry shortly", retry_after_s=2)
         rid = request.request_id
         q: asyncio.Queue[Delta] = asyncio.Queue()
         with self._lock:
@@ -135,6 +155,12 @@ class AsyncEngine:
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 "(including at least one generated token)"
             )
+        need, budget = self.core.session_bytes(request), self.core.config.max_session_bytes
+        if need > budget:
+            raise InvalidRequest(
+                f"the prompt plus max_tokens needs {need:,} bytes of KV, more than the server's session "
+                f"budget of {budget:,} bytes: lower max_tokens or shorten the prompt"
+            )
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -148,9 +174,10 @@ class AsyncEngine:
 
     def health(self) -> EngineHealth:
         return EngineHealth(
-            ok=self._thread.is_alive(),
+            ok=self._thread.is_alive() and self._dead is None,
             exact_reuse=self.core.exact_reuse,
-            detail=self._selftest_detail + (f"; last failed step: {self._last_failure}" if self._last_failure else ""),
+            detail=self._selftest_detail + (f"; last failed step: {self._last_failure}" if self._last_failure else "")
+            + (f"; ENGINE STOPPED: {self._dead}" if self._dead else ""),
             num_running=self.core.num_running(),
             num_waiting=self.core.num_waiting(),
             decode_kernel=self.core.runner.decoder.decode_kernel,
@@ -159,6 +186,15 @@ class AsyncEngine:
         )
 
     def metrics(self) -> dict[str, float]:
+        """The engine thread's latest snapshot (at most METRICS_EVERY_S old): the cache and counters
+        are only ever read on the thread that mutates them."""
+        return dict(self._metrics)
+
+    def _snapshot_metrics(self) -> None:
+        self._metrics_at = time.monotonic()
+        self._metrics = self._collect_metrics()
+
+    def _collect_metrics(self) -> dict[str, float]:
         st = self.core.cache.stats()
         c = self.core.counters
         lookups = st.num_lookups or 0
@@ -184,6 +220,9 @@ class AsyncEngine:
             "engine_running": float(self.core.num_running()),
             "engine_waiting": float(self.core.num_waiting()),
             "engine_exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
+            "engine_reserved_session_bytes": float(self.core._reserved_bytes),
+            "engine_max_session_bytes": float(self.core.config.max_session_bytes),
+            "engine_oldest_wait_seconds": float(self.core.oldest_wait_s()),
             # per tier (docs/cache.md): RAM's figures under their tier name, then the disk tier's
             "cache_ram_hits": float(hits),
             "cache_ram_bytes": float(self.core.cache.num_bytes),
@@ -195,7 +234,7 @@ class AsyncEngine:
     async def shutdown(self, drain: bool = True) -> None:
         self._accepting = False
         if drain:
-            while self.core.has_work() or not self._inbox.empty():
+            while self._dead is None and self._thread.is_alive() and (self.core.has_work() or not self._inbox.empty()):
                 await asyncio.sleep(0.05)
         else:
             self._submit("abort_all", None)
@@ -222,19 +261,45 @@ class AsyncEngine:
                 pass
 
     def _run(self) -> None:
-        while not self._stop:
-            self._drain_inbox()
-            if not self.core.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                self.core.step()
-            except Exception as e:  # a bug or OOM: fail what is running, keep serving
-                log.exception("engine step failed")
-                self._last_failure = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {type(e).__name__}: {e}"
-                self.core.abort_all(FinishReason.ERROR)
-                log.error("failed all running requests after: %s", e)
+        """The engine loop. A failed step fails only the requests it concerns (EngineCore.
+        on_step_failure); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
+        in a row, stops the engine: /health turns 503 and every open request ends with the error."""
+        failed_in_a_row = 0
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if time.monotonic() - self._metrics_at > METRICS_EVERY_S:
+                    self._snapshot_metrics()
+                if not self.core.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    self.core.step()
+                    failed_in_a_row = 0
+                except Exception as e:  # a bug or OOM in one batch: isolate it, keep serving the rest
+                    failed_in_a_row += 1
+                    message = f"{type(e).__name__}: {e}"
+                    log.exception("engine step failed")
+                    self._last_failure = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"
+                    if failed_in_a_row >= MAX_FAILED_STEPS:
+                        self.core.fail_all(message)
+                        failed_in_a_row = 0
+                    else:
+                        self.core.on_step_failure(message)
+        except Exception as e:  # the loop itself broke: nothing can be trusted to run any more
+            log.exception("the engine loop stopped")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _die(self, message: str) -> None:
+        """Stop serving: refuse new requests and end every open stream with the error now."""
+        self._dead = message
+        self._accepting = False
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._emit(rid, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
+                                  error=f"the engine stopped: {message}"))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -243,9 +308,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self.core.add(arg)
+                try:
+                    self.core.add(arg)
+                except Exception as e:  # this request only: it cannot be queued
+                    log.exception("could not queue request %s", arg.request_id)
+                    self._emit(arg.request_id, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
+                                                     error=f"{type(e).__name__}: {e}"))
             elif kind == "abort":
-                self.core.abort(arg)
+                try:
+                    self.core.abort(arg)
+                except Exception:  # its session may be half-finished; the loop goes on
+                    log.exception("aborting request %s failed", arg)
             elif kind == "abort_all":
                 self.core.abort_all()
             elif kind == "call":  # a function to run on this thread, its result to a Future

@@ -25,6 +25,7 @@ from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Reques
 
 log = logging.getLogger("prefixserve.engine")
 
+GROW_TOKENS = 256  # output room reserved at admission; the KV grows (doubling) beyond it
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
 
 Emit = Callable[[str, Delta], None]
@@ -64,6 +65,9 @@ class EngineCore:
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
         self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
+        self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (faults)
+        self._last_step: list[tuple[Session, int | None]] = []  # (session, its fed decode token) of the last step
+        self._reserved_bytes = 0  # KV bytes admitted sessions may grow to (max_session_bytes bounds it)
         self.refills = TurnRefills(runner, config.prefill_chunk_tokens, self._store)  # 4-bit-decoded turns
         self.counters = EngineCounters()
         self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
@@ -122,7 +126,10 @@ class EngineCore:
         return bool(self.waiting or self.running or self.loads or self.refills)
 
     def step(self) -> None:
-        """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
+        """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample.
+
+        If it raises, the caller hands the error to `on_step_failure` (the sessions are left as
+        they were before the forward, their fed decode tokens recorded in `_last_step`)."""
         self._admit()
         for s in self.running:
             if s.pending_restore is not None:
@@ -131,24 +138,33 @@ class EngineCore:
         prefill_ends: list[tuple[Session, int, int]] = []
         decoding: list[Session] = []
         budget = self.config.max_batch_tokens
-        for s in self.running:
+        self.suspects = [s for s in self.suspects if s.phase is not Phase.FINISHED]
+        active = self.suspects[:1] or self.running  # a suspect runs alone (see on_step_failure)
+        self._last_step = []
+        for s in active:
             if s.phase is Phase.DECODE and s.request.request_id in self._pending:
-                items.append(StepItem(s.state, [self._pending.pop(s.request.request_id)], decode=True))  # type: ignore[arg-type]
+                token = self._pending.pop(s.request.request_id)
+                items.append(StepItem(s.state, [token], decode=True))  # type: ignore[arg-type]
                 decoding.append(s)
+                self._last_step.append((s, token))
                 budget -= 1
-        for s in self.running:
+        for s in active:
             if s.phase is not Phase.PREFILL or budget <= 0:
                 continue
             start, end = s.next_prefill_chunk(min(self.config.prefill_chunk_tokens, budget))
             items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))  # type: ignore[arg-type]
             prefill_ends.append((s, start, end))
+            self._last_step.append((s, None))
             budget -= end - start
-        refill = self.refills.next_item(budget) if not prefill_ends and not self.waiting else None
+        quiet = not prefill_ends and not self.waiting and not self.suspects
+        refill = self.refills.next_item(budget) if quiet else None
         if refill is not None:
             items.append(refill)
         if items:
             self.runner.step(items)
             self.counters.num_steps += 1
+        if self.suspects and self._last_step:
+            self.suspects.remove(self._last_step[0][0])  # it ran alone and passed
         if refill is not None:
             self.refills.after_step()
         for s, start, end in prefill_ends:
@@ -162,11 +178,45 @@ class EngineCore:
             if s.phase is Phase.DECODE:
                 self._sample(s)
 
+    def on_step_failure(self, message: str) -> None:
+        """The last `step` raised `message`. A session that failed alone gets the error (an OpenAI
+        500 carrying `message`); the sessions of a failed batch become suspects that run alone, one
+        step each, until each one either passes or fails alone; sessions not in it are untouched.
+        Pending refills are dropped (a cache optimisation, never worth a retry)."""
+        involved = [(s, t) for s, t in self._last_step if s.phase is not Phase.FINISHED]
+        self._last_step = []
+        self.refills.drop(lambda ns: True)
+        for s, token in involved:
+            if token is not None:
+                self._pending[s.request.request_id] = token  # not fed: feed it again
+            if s.state is not None:  # a partial forward may have written past the valid keys
+                s.state.truncate(s.state.num_tokens, force_zero=True)
+        if len(involved) == 1 and self.suspects[:1] == [involved[0][0]]:
+            self.suspects.pop(0)
+            self._finish(involved[0][0], FinishReason.ERROR, error=message)
+        elif len(involved) == 1:
+            self._finish(involved[0][0], FinishReason.ERROR, error=message)
+        else:
+            self.suspects = [s for s, _ in involved] + [s for s in self.suspects if all(s is not x for x, _ in involved)]
+
+    def fail_all(self, message: str) -> None:
+        """End every request (waiting, running, parked) with an error carrying `message`."""
+        self.refills.drop(lambda ns: True)
+        self.suspects = []
+        for s in list(self.waiting) + list(self.running) + self.loads.take_all():
+            if s in self.waiting:
+                self.waiting.remove(s)
+            self._finish(s, FinishReason.ERROR, error=message)
+
     def num_running(self) -> int:
         return len(self.running)
 
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def oldest_wait_s(self) -> float:
+        """How long the oldest waiting request has waited for admission (0 when none waits)."""
+        return time.monotonic() - self.waiting[0].arrival if self.waiting else 0.0
 
     # ---- admission: cache lookup and restore --------------------------------------------------
 
@@ -174,7 +224,12 @@ class EngineCore:
         if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
             self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
+            need = self.session_bytes(self.waiting[0].request)
+            if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
+                break  # waits until running sessions finish and free their share
             s = self.waiting.popleft()
+            s.reserved_bytes = need
+            self._reserved_bytes += need
             if self.exact_reuse and self.loads.park(s):
                 continue
             self.running.append(s)
@@ -205,9 +260,17 @@ class EngineCore:
         # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
         self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
 
+    def session_bytes(self, request: Request) -> int:
+        """The KV bytes a session may grow to (prompt + max_tokens, within the context): what
+        admission reserves against `max_session_bytes`. Its KV is allocated as it grows."""
+        sp = request.sampling
+        num_tokens = min(self.max_model_len, len(request.prompt_ids) + sp.max_tokens)
+        return num_tokens * self.runner.kv_bytes_per_token()
+
     def _restore(self, s: Session) -> None:
-        """Give the session its own state: a deep copy of the pinned hit, or a fresh one."""
-        room = s.prompt_len + min(s.request.sampling.max_tokens, self.max_model_len - s.prompt_len)
+        """Give the session its own state: a deep copy of the pinned hit, or a fresh one, with room for
+        the prompt and a first stretch of output (it grows as it decodes)."""
+        room = s.prompt_len + min(s.request.sampling.max_tokens, self.max_model_len - s.prompt_len, GROW_TOKENS)
         entry = s.pending_restore
         if entry is None:
             s.state = self.runner.new_state(room)
@@ -277,9 +340,12 @@ class EngineCore:
         else:
             self._finish(s, reason, text, (token,))
 
-    def _finish(self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    def _finish(
+        self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (), error: str | None = None
+    ) -> None:
         if s.phase is Phase.FINISHED:
             return
+        usage = s.usage()  # before the phase changes: an unfinished prompt bills what was processed
         s.phase = Phase.FINISHED
         s.finish_reason = reason
         self._pending.pop(s.request.request_id, None)
@@ -294,8 +360,12 @@ class EngineCore:
         if s.pending_restore is not None:
             self.cache.unpin(s.pending_restore)
             s.pending_restore = None
+        if s.reserved_bytes:
+            self._reserved_bytes -= s.reserved_bytes
+            s.reserved_bytes = 0
         text += s.detok.flush()
-        self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=s.usage()))
+        self.emit(s.request.request_id,
+                  Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage, error=error))
         s.state = None  # free the session's KV now
 
     def _offer_turn(self, s: Session) -> None:

@@ -6,9 +6,21 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefixserve.types import Delta, FlushScope, InvalidRequest, PromptTooLong, Request, TemplateError
+from prefixserve.types import (
+    Delta,
+    FlushScope,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+    Request,
+    TemplateError,
+    Unavailable,
+)
 
-__all__ = ["EngineClient", "EngineHealth", "FlushReport", "FlushScope", "InvalidRequest", "PromptTooLong", "TemplateError", "TokenizerLike"]
+__all__ = [
+    "EngineClient", "EngineHealth", "FlushReport", "FlushScope", "InvalidRequest", "Overloaded", "PromptTooLong",
+    "TemplateError", "TokenizerLike", "Unavailable",
+]
 
 
 @dataclass(frozen=True, slots=True)

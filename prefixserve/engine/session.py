@@ -44,6 +44,7 @@ class Session:
     disk_checked: bool = False  # the disk tier was asked once already
     cacheable: bool = True  # False once its namespace was flushed: it must not re-seed the cache
     finish_reason: FinishReason | None = None
+    reserved_bytes: int = 0  # KV bytes admission reserved for it (EngineCore.session_bytes)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
@@ -56,9 +57,15 @@ class Session:
         return 0 if self.state is None else self.state.num_tokens
 
     def usage(self) -> Usage:
-        """Worker truth: what this session was served from cache and what it produced."""
-        return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.output_ids),
-                     cached_tokens=self.num_cached)
+        """Worker truth: what this session was served from cache and what it produced. Until the
+        prompt is done (its first token sampled), prompt_tokens counts the prompt tokens processed
+        so far, cached and computed: a request aborted while queued bills nothing."""
+        prompt = self.prompt_len
+        if self.first_token_at is None:
+            prompt = min(self.prompt_len, max(self.num_cached if self.phase is not Phase.WAITING else 0,
+                                              self.num_computed))
+        return Usage(prompt_tokens=prompt, completion_tokens=len(self.output_ids),
+                     cached_tokens=min(self.num_cached, prompt))
 
     def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
         """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,19 +13,25 @@ from prefixserve.types import TemplateError
 
 
 class Tokenizer:
-    """Wraps a transformers tokenizer. Thread-safe for encode/decode (the Rust backend is)."""
+    """Wraps a transformers tokenizer. Thread-safe: one lock around every call, since a Hugging Face
+    fast tokenizer used from two threads at once can fail ("Already borrowed", huggingface/tokenizers
+    #537) and the server encodes on worker threads while the engine thread decodes. Calls are short
+    (microseconds to a few ms), so the lock costs less than a tokenizer per thread would in memory."""
 
     def __init__(self, hf_tokenizer: Any, extra_eos_ids: Sequence[int] = ()) -> None:
         self.hf = hf_tokenizer
+        self._lock = threading.Lock()
         eos = [i for i in [hf_tokenizer.eos_token_id, *extra_eos_ids] if isinstance(i, int)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(hf_tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self.hf.decode(list(ids), skip_special_tokens=True))
+        with self._lock:
+            return str(self.hf.decode(list(ids), skip_special_tokens=True))
 
     def render_chat(
         self,
@@ -34,13 +41,14 @@ class Tokenizer:
     ) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; use /v1/completions")
-        try:
-            text = self.hf.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
-            raise TemplateError(f"chat template rejected the messages: {e}") from e
-        return list(self.hf.encode(text, add_special_tokens=False))
+        with self._lock:
+            try:
+                text = self.hf.apply_chat_template(
+                    messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
+            except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
+                raise TemplateError(f"chat template rejected the messages: {e}") from e
+            return list(self.hf.encode(text, add_special_tokens=False))
 
 
 def load_tokenizer_gguf(path: str) -> Tokenizer:

@@ -67,9 +67,12 @@ class SessionState:
         kv[:, :, :, : self.num_tokens] = self.kv[:, :, :, : self.num_tokens]
         self.kv = kv
 
-    def truncate(self, num_tokens: int) -> None:
-        """Drop everything after `num_tokens` (zeroing it, as block attention requires); logits are lost."""
+    def truncate(self, num_tokens: int, force_zero: bool = False) -> None:
+        """Drop everything after `num_tokens` (zeroing it, as block attention requires); logits are lost.
+        force_zero: zero the whole capacity past `num_tokens` (after a forward that failed midway)."""
         assert 0 <= num_tokens <= self.num_tokens
+        if force_zero:
+            self.kv[:, :, :, num_tokens:].zero_()
         if num_tokens < self.num_tokens:
             self.kv[:, :, :, num_tokens : self.num_tokens].zero_()
             self.num_tokens = num_tokens

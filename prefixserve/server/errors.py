@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.engine.protocol import InvalidRequest, PromptTooLong, TemplateError
+from prefixserve.engine.protocol import InvalidRequest, Overloaded, PromptTooLong, TemplateError, Unavailable
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -136,6 +136,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_invalid_request(request: Request, exc: Exception) -> JSONResponse:
         return error_response(bad_request(str(exc) or "invalid request", "prompt"))
 
+    async def on_overloaded(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Overloaded)
+        return error_response(APIError(429, str(exc), code="rate_limit_exceeded",
+                                       headers={"Retry-After": str(exc.retry_after_s)}))
+
+    async def on_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(503, str(exc) or "the engine is unavailable", code="service_unavailable",
+                                       headers={"Retry-After": "5"}))
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
@@ -146,4 +155,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(PromptTooLong, on_prompt_too_long)
     app.add_exception_handler(TemplateError, on_template_error)
     app.add_exception_handler(InvalidRequest, on_invalid_request)
+    app.add_exception_handler(Overloaded, on_overloaded)
+    app.add_exception_handler(Unavailable, on_unavailable)
     app.add_exception_handler(Exception, on_unexpected)

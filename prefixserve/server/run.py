@@ -70,6 +70,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_num_seqs": ("PREFIXSERVE_MAX_NUM_SEQS", int, EngineConfig().max_num_seqs),
     "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
     "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
+    "max_queued_requests": ("PREFIXSERVE_MAX_QUEUED_REQUESTS", int, EngineConfig().max_queued_requests),
+    "max_session_bytes": ("PREFIXSERVE_MAX_SESSION_BYTES", parse_bytes, EngineConfig().max_session_bytes),
     "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
     "pricing": ("PREFIXSERVE_PRICING", str, None),
@@ -113,12 +115,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
     a("--decode-kernel", choices=DECODE_KERNELS,
-      help="decode matmuls: int4 reads the GGUF's 4-bit weights (bf16 CPU; finished chat turns are then not "
-           "cached), dense uses prefill's weights (PREFIXSERVE_DECODE_KERNEL; default auto = int4 where possible)")
+      help="decode matmuls: int4 reads the GGUF's 4-bit weights (bf16 CPU; finished chat turns are re-fed by "
+           "prefill before they are cached), dense uses prefill's weights (PREFIXSERVE_DECODE_KERNEL; default auto = int4 where possible)")
     a("--num-threads", type=int, metavar="N", help="torch threads (PREFIXSERVE_NUM_THREADS)")
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
+    a("--max-queued-requests", type=int, metavar="N",
+      help="requests waiting for admission; past it new ones get 429 + Retry-After (PREFIXSERVE_MAX_QUEUED_REQUESTS; "
+           "default 256)")
+    a("--max-session-bytes", metavar="BYTES",
+      help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
+           "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
     a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
       "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     a(
@@ -166,6 +174,8 @@ def run_serve(args: argparse.Namespace) -> int:
             prefill_chunk_tokens=s["prefill_chunk_tokens"],
             max_batch_tokens=s["max_batch_tokens"],
             max_num_seqs=s["max_num_seqs"],
+            max_queued_requests=s["max_queued_requests"],
+            max_session_bytes=s["max_session_bytes"],
         )
         server_config = ServerConfig(
             host=s["host"],

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixserve.engine.protocol import PromptTooLong
+from prefixserve.engine.protocol import Overloaded, PromptTooLong, Unavailable
 from prefixserve.types import Request
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import auth
@@ -161,6 +161,28 @@ def test_prompt_too_long_from_the_engine_is_400(make_client: Any, stream: bool) 
     r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
     check_error(r, 400, "prompt")
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics").text
+
+
+class BusyEngine(FakeEngine):
+    def __init__(self, exc: Exception) -> None:
+        super().__init__()
+        self.exc = exc
+
+    async def generate(self, request: Request):  # type: ignore[override]
+        raise self.exc
+        yield  # pragma: no cover
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_queue_is_429_with_retry_after_and_a_stopped_engine_503(make_client: Any, stream: bool) -> None:
+    client = make_client(eng=BusyEngine(Overloaded("too many requests are waiting (256)", retry_after_s=2)))
+    r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and "waiting" in r.json()["error"]["message"]
+    client = make_client(eng=BusyEngine(Unavailable("the server is shutting down")))
+    r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics").text
 
 
