@@ -92,6 +92,12 @@ def load_model(
 
         if decode_kernel == "int4":
             raise ModelLoadError("decode kernel int4 needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights")
+        from prefixserve.models import hybrid_loader
+
+        if hybrid_loader.is_hybrid_type(hybrid_loader.folder_model_type(path)):  # docs/hybrid.md
+            hy = hybrid_loader.HybridHFModel(path)
+            hdec = hybrid_loader.build_hybrid(hy, dtype, device, tiles or TilePlan())
+            return LoadedModel(hdec, load_tokenizer_folder(path), hy.arch, name, path)  # type: ignore[arg-type]
         hf = HFModel(path)
         decoder = build_decoder(hf.arch, hf.tensor, dtype, device, tiles or TilePlan())
         return LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path)

@@ -1,0 +1,109 @@
+"""Session state and cache snapshot of a hybrid model: attention KV + recurrent layer state.
+
+Two kinds of layer state (docs/hybrid.md):
+- attention layers' KV (`kv`, [attention layers, 2, kv heads, capacity, head dim], as SessionState's);
+- recurrent layers' state (`rec`, models/hybrid.py RecurrentState: conv inputs, the current cell's
+  inputs, and the fp32 delta state at the cell start). It describes exactly one position.
+
+So a hybrid state is snapshot-only (`truncatable = False`): a snapshot serves exactly its own length
+(the cache's index never truncates it, runner/pieces.py stores it whole as one private piece).
+Snapshots and restores deep-copy; neither aliases the other's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from prefixserve.models.hybrid import RecurrentState
+from prefixserve.models.layers import BLOCK
+from prefixserve.runner.state import SessionState, _round_up
+
+
+class HybridState(SessionState):
+    """A SessionState whose `kv` covers the attention layers only, plus `rec` (recurrent layers)."""
+
+    truncatable = False
+
+    def __init__(self, kv: torch.Tensor, rec: RecurrentState, num_tokens: int = 0,
+                 logits: torch.Tensor | None = None) -> None:
+        super().__init__(kv, num_tokens, logits)
+        self.rec = rec
+
+    @classmethod
+    def fresh(cls, kv_shape: tuple[int, int, int, int], rec: RecurrentState, dtype: torch.dtype, device: str,
+              capacity: int = 0) -> HybridState:
+        layers, two, heads, head_dim = kv_shape
+        cap = _round_up(max(capacity, BLOCK), BLOCK)
+        return cls(torch.zeros(layers, two, heads, cap, head_dim, dtype=dtype, device=device), rec)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.rec.nbytes
+
+    def truncate(self, num_tokens: int) -> None:
+        """Only to the current length (a no-op): a recurrent state cannot go back."""
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"a hybrid state at {self.num_tokens} tokens cannot be truncated to {num_tokens}")
+
+    def snapshot(self, num_tokens: int | None = None, with_logits: bool = True) -> HybridSnapshot:  # type: ignore[override]
+        """A deep copy at the current length (the only one a recurrent state describes)."""
+        n = self.num_tokens if num_tokens is None else num_tokens
+        if n != self.num_tokens or n <= 0:
+            raise ValueError(f"a hybrid state at {self.num_tokens} tokens has no snapshot at {n}")
+        logits = self.logits.clone() if (with_logits and self.logits is not None) else None
+        return HybridSnapshot(self.kv[:, :, :, :n].clone(), self.rec.clone(), logits)
+
+    def clone(self) -> HybridState:
+        return HybridState(self.kv.clone(), self.rec.clone(), self.num_tokens,
+                           None if self.logits is None else self.logits.clone())
+
+
+class HybridSnapshot:
+    """Immutable cached hybrid state (implements cache.CachedState): one private piece of memory,
+    usable only at exactly `num_tokens`."""
+
+    truncatable = False
+
+    def __init__(self, kv: torch.Tensor, rec: RecurrentState, logits: torch.Tensor | None) -> None:
+        self._kv = kv  # compact [attention layers, 2, kv heads, num_tokens, head dim]
+        self._rec = rec
+        self._logits = logits
+        self._key = ("hybrid", kv.untyped_storage().data_ptr(), rec.delta.untyped_storage().data_ptr())
+
+    @property
+    def num_tokens(self) -> int:
+        return self._kv.shape[3]
+
+    @property
+    def has_logits(self) -> bool:
+        return self._logits is not None
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        return self._logits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.storage())
+
+    def storage(self) -> list[tuple[Hashable, int]]:
+        n = self._kv.numel() * self._kv.element_size() + self._rec.nbytes
+        if self._logits is not None:
+            n += self._logits.numel() * self._logits.element_size()
+        return [(self._key, n)]
+
+    def restore(self, num_tokens: int, extra_capacity: int) -> HybridState:
+        """Deep copy into a new HybridState with room for `extra_capacity` more tokens. num_tokens must
+        be this snapshot's own length (a recurrent state is valid at one position only)."""
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"a hybrid snapshot of {self.num_tokens} tokens cannot serve {num_tokens}")
+        layers, two, heads, n, head_dim = self._kv.shape
+        state = HybridState.fresh((layers, two, heads, head_dim), self._rec.clone(), self._kv.dtype,
+                                  str(self._kv.device), n + extra_capacity)
+        state.kv[:, :, :, :n] = self._kv
+        state.num_tokens = n
+        if self._logits is not None:
+            state.logits = self._logits.clone()
+        return state
