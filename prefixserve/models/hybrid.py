@@ -102,6 +102,16 @@ class HybridDecoder:
     def drop_int4(self) -> None:
         pass
 
+    def tile_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """One weight of every shape the row tiles multiply (for the start-up self-test)."""
+        out: dict[str, torch.Tensor] = {}
+        for lw in self.layers:
+            for name in ("qkv", "o_proj", "lin_in", "out_proj", "gate_up", "down"):
+                w = getattr(lw, name)
+                if w is not None and name not in out:
+                    out[name] = w
+        return list(out.items())
+
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
         """(attention layers, 2, kv heads, head dim): the KV part of a session state."""

@@ -189,3 +189,10 @@ def test_the_cache_never_truncates_a_hybrid_snapshot(runner):
     assert snap.has_logits and isinstance(same, Hit) and same.num_cached_tokens == 100
     hit = cache.lookup(ns, ids)  # a longer prompt: exactly its 100 tokens
     assert isinstance(hit, Hit) and hit.num_cached_tokens == 100
+
+
+def test_start_up_self_test_accepts_the_hybrid(runner):
+    from prefixserve.runner.selftest import self_test
+
+    result = self_test(runner)
+    assert result.ok, result.detail
