@@ -208,7 +208,8 @@ class HybridDecoder:
         offset = 0
         for s in segments:
             n = s.num_new
-            rec: RecurrentState = s.rec  # type: ignore[attr-defined]
+            rec = s.rec
+            assert isinstance(rec, RecurrentState), "a hybrid segment carries its RecurrentState"
             ext = torch.cat([rec.conv[li_rec], mixed[offset : offset + n]])  # [K - 1 + n, cd]
             rec.conv[li_rec] = ext[n:]
             windows = ext.unfold(0, kern, 1).transpose(1, 2)  # [n, K, cd], oldest input first
@@ -219,7 +220,7 @@ class HybridDecoder:
             g1 = g0 + self.tiles.rows
             o = core[g0:g1].view(-1, hv, a.lin_v_dim).float()
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + a.rms_eps)
-            o = lw.lin_norm * o.to(self.dtype)
+            o = lw.lin_norm * o.to(self.dtype)  # type: ignore[operator]
             o = (o * F.silu(z[g0:g1].view(-1, hv, a.lin_v_dim).float())).to(self.dtype)
             h[g0:g1] = h[g0:g1] + F.linear(o.reshape(-1, vs), lw.out_proj)  # type: ignore[arg-type]
 

@@ -16,6 +16,7 @@ from collections.abc import Hashable
 
 import torch
 
+from prefixserve.models.gated_delta import CELL
 from prefixserve.models.hybrid import RecurrentState
 from prefixserve.models.layers import BLOCK
 from prefixserve.runner.state import SessionState, _round_up
@@ -53,7 +54,10 @@ class HybridState(SessionState):
         if n != self.num_tokens or n <= 0:
             raise ValueError(f"a hybrid state at {self.num_tokens} tokens has no snapshot at {n}")
         logits = self.logits.clone() if (with_logits and self.logits is not None) else None
-        return HybridSnapshot(self.kv[:, :, :, :n].clone(), self.rec.clone(), logits)
+        r = self.rec
+        # compact: only the cell rows in use (n % CELL); the rest are zero by contract (models/hybrid.py)
+        rec = RecurrentState(r.conv.clone(), r.cell[:, : n % CELL].clone(), r.delta.clone())
+        return HybridSnapshot(self.kv[:, :, :, :n].clone(), rec, logits)
 
     def clone(self) -> HybridState:
         return HybridState(self.kv.clone(), self.rec.clone(), self.num_tokens,
@@ -62,7 +66,8 @@ class HybridState(SessionState):
 
 class HybridSnapshot:
     """Immutable cached hybrid state (implements cache.CachedState): one private piece of memory,
-    usable only at exactly `num_tokens`."""
+    usable only at exactly `num_tokens`. Its recurrent `cell` holds only the num_tokens % CELL rows
+    in use (restore pads the zero rows back)."""
 
     truncatable = False
 
@@ -100,8 +105,11 @@ class HybridSnapshot:
         if num_tokens != self.num_tokens:
             raise ValueError(f"a hybrid snapshot of {self.num_tokens} tokens cannot serve {num_tokens}")
         layers, two, heads, n, head_dim = self._kv.shape
-        state = HybridState.fresh((layers, two, heads, head_dim), self._rec.clone(), self._kv.dtype,
-                                  str(self._kv.device), n + extra_capacity)
+        r = self._rec
+        cell = r.cell.new_zeros(r.cell.shape[0], CELL, r.cell.shape[2])
+        cell[:, : r.cell.shape[1]] = r.cell
+        state = HybridState.fresh((layers, two, heads, head_dim), RecurrentState(r.conv.clone(), cell, r.delta.clone()),
+                                  self._kv.dtype, str(self._kv.device), n + extra_capacity)
         state.kv[:, :, :, :n] = self._kv
         state.num_tokens = n
         if self._logits is not None:
