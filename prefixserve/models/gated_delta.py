@@ -1,7 +1,7 @@
 """Gated DeltaNet's token mixer at fixed shapes: the short causal conv and the gated delta rule.
 
 The exactness rule (docs/exactness.md, docs/hybrid.md) for recurrent layers:
-- The sequence is cut into cells of CELL = 64 positions aligned to absolute positions. The delta
+- The sequence is cut into cells of CELL positions aligned to absolute positions. The delta
   state `S` [v_heads, k_dim, v_dim] (fp32) is kept at the start of the current cell; the inputs of
   the cell's tokens seen so far (post-conv q/k/v, decay g, beta) are kept beside it.
 - Every evaluation of the rule is one `delta_cell` call over one whole cell, real rows first and
@@ -10,7 +10,7 @@ The exactness rule (docs/exactness.md, docs/hybrid.md) for recurrent layers:
   the cumulative sum read earlier rows only), so a row gets the same bits whether the rows after
   it are real tokens or padding. Hence computing tokens [p, e) of a cell later (a resumed
   snapshot, a decode step) gives exactly the bits a one-pass prefill gives; the state at the next
-  cell start is taken only from a call with all 64 rows real.
+  cell start is taken only from a call with all CELL rows real.
 - The conv and the elementwise gating run on plan-sized row tiles, like every row-local op.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CELL = 64  # positions per delta-rule cell, aligned to absolute positions
+CELL = 16  # positions per delta-rule cell, aligned to absolute positions (docs/hybrid.md: why 16)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Same contract as `decoder.Decoder.forward` (docs/exactness.md, docs/hybrid.md): rows in plan tiles,
 attention in 16-token query tiles over 32-key blocks (the attention layers' KV lives in the
 segment's `kv`, indexed by attention layer), and the recurrent layers' state in the segment's
-`rec` (a `RecurrentState`), evaluated one fixed-shape 64-position cell at a time
+`rec` (a `RecurrentState`), evaluated one fixed-shape CELL-position cell at a time
 (models/gated_delta.py). A decode row runs exactly the calls of a one-token prefill, so decoded
 states equal prefilled ones and every position is a valid snapshot.
 """

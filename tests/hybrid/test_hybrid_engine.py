@@ -13,6 +13,7 @@ from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.models import load_model
+from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.hybrid.tiny import make_model
@@ -54,7 +55,7 @@ def test_learning_sequence_next_turn_and_isolation(model):
     shared = 0
     while prompts[0][shared] == prompts[1][shared]:
         shared += 1
-    assert 200 < shared < len(prompts[1]) and shared % 64  # the common prefix ends off the 64-grid
+    assert 200 < shared < len(prompts[1]) and shared % CELL  # the common prefix ends inside a cell
     ns, other = Namespace("tiny", "tenant-a"), Namespace("tiny", "tenant-b")
 
     cached, plain = make_engine(model, 1 << 30), make_engine(model, 0)

@@ -10,7 +10,7 @@ import torch
 
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.config import CacheConfig
-from prefixserve.models import load_model
+from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner, StepItem
 from prefixserve.runner.hybrid_state import HybridSnapshot, HybridState
 from prefixserve.runner.pieces import PieceStore
@@ -78,7 +78,7 @@ def test_any_chunking_gives_the_same_bits(runner):
 def test_resume_from_every_grid_snapshot_and_odd_positions(runner, n):
     ids = _prompt(n, n)
     ref_logits, ref_tokens = _scratch(runner, ids)
-    depths = sorted(set(range(64, n, 64)) | {1, 2, 31, 33, 63, 65, n // 2, n - 1})
+    depths = sorted(set(range(CELL, n, CELL)) | {1, 2, 31, 33, 63, 65, n // 2, n - 1})
     for d in depths:
         src = runner.new_state(n)
         _prefill(runner, src, ids[:d])
@@ -158,7 +158,7 @@ def test_snapshot_and_restore_are_deep_copies_and_bytes_count_both(runner):
     assert st.nbytes == kv_bytes + rec_bytes + st.logits.numel() * 4
     snap = st.snapshot()
     a, _ = snap.storage()[0], None
-    cell_unused = (64 - 90 % 64) * st.rec.cell[:, :1].numel() * 4  # a snapshot keeps the cell rows in use only
+    cell_unused = (CELL - 90 % CELL) * st.rec.cell[:, :1].numel() * 4  # a snapshot keeps the cell rows in use only
     assert snap.nbytes == a[1] == (st.kv[:, :, :, :90].numel() * st.kv.element_size() + rec_bytes - cell_unused
                                    + st.logits.numel() * 4)
     copy = (snap._kv.clone(), snap._rec.clone(), snap.logits.clone())
