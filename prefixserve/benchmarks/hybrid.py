@@ -11,7 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from prefixserve.models.layers import TilePlan
 from prefixserve.runner import ModelRunner
 from prefixserve.types import Delta, Namespace, Request, SamplingParams
 
-SHAPE_0_8B = dict(
+SHAPE_0_8B: dict[str, Any] = dict(
     vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_heads=8, num_kv_heads=2, head_dim=256,
     rotary_dim=64, rope_theta=1e7, rms_eps=1e-6, max_position=32768, conv_kernel=4, lin_k_heads=16,
     lin_v_heads=16, lin_k_dim=128, lin_v_dim=128, tie_embeddings=True,
@@ -99,7 +100,12 @@ def bench_hybrid(quick: bool, print_fn: Callable[[str], object] = print, layers:
     def ttft(ids: list[int]) -> tuple[float, int]:
         rid = uuid.uuid4().hex
         out: list[int] = []
-        core.emit = lambda r, d: (emit(r, d), out.append(d.usage.cached_tokens) if d.usage else None)  # type: ignore[func-returns-value]
+        def record(r: str, d: Delta) -> None:
+            emit(r, d)
+            if d.usage is not None:
+                out.append(d.usage.cached_tokens)
+
+        core.emit = record
         t = time.perf_counter()
         core.add(Request(rid, ns, tuple(ids), SamplingParams(max_tokens=1, temperature=0.0)))
         while core.has_work():
@@ -126,8 +132,12 @@ def bench_hybrid(quick: bool, print_fn: Callable[[str], object] = print, layers:
 class _NoTokenizer:
     eos_token_ids: tuple[int, ...] = ()
 
-    def decode(self, ids: object) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return ""
 
     def encode(self, text: str) -> list[int]:
         return []
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        raise NotImplementedError("the hybrid bench feeds token ids")

@@ -83,3 +83,32 @@ def test_unsupported_variants_are_named(tiny, tmp_path, model_type, needle):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=needle):
         load_model(str(other), torch.float32)
+
+
+def test_multimodal_checkpoint_layout_loads_the_text_model(tiny, tmp_path):
+    """model_type qwen3_5 with a nested text_config and weights under model.language_model. (the
+    vision tower's tensors ignored) gives the same logits bit for bit as the plain layout."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    nested = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": cfg}
+    out = tmp_path / "mm"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(nested))
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in weights.items()}
+    renamed["model.visual.patch_embed.weight"] = torch.zeros(2, 2)
+    save_file(renamed, str(out / "model.safetensors"))
+    for fn in os.listdir(folder):
+        if fn.startswith("tokenizer") or fn == "special_tokens_map.json":
+            os.symlink(os.path.join(folder, fn), out / fn)
+    ids = list(range(5, 85))
+    logits = []
+    for path in (folder, str(out)):
+        runner = ModelRunner(load_model(path, torch.float32).decoder, 1)
+        st = runner.new_state(len(ids))
+        runner.step([StepItem(st, ids)])
+        logits.append(st.logits)
+    assert torch.equal(logits[0], logits[1])
