@@ -19,7 +19,7 @@ import torch
 from prefixserve.models.gated_delta import CELL
 from prefixserve.models.hybrid import RecurrentState
 from prefixserve.models.layers import BLOCK
-from prefixserve.runner.state import SessionState, _round_up
+from prefixserve.runner.state import KVSnapshot, SessionState, _round_up
 
 
 class HybridState(SessionState):
@@ -54,10 +54,20 @@ class HybridState(SessionState):
         if n != self.num_tokens or n <= 0:
             raise ValueError(f"a hybrid state at {self.num_tokens} tokens has no snapshot at {n}")
         logits = self.logits.clone() if (with_logits and self.logits is not None) else None
+        return HybridSnapshot(self.kv[:, :, :, :n].clone(), self.compact_recurrent(), logits)
+
+    def compact_recurrent(self) -> RecurrentState:
+        """A deep copy of `rec` keeping only the cell rows in use (num_tokens % CELL; the rest are zero
+        by contract, models/hybrid.py)."""
         r = self.rec
-        # compact: only the cell rows in use (n % CELL); the rest are zero by contract (models/hybrid.py)
-        rec = RecurrentState(r.conv.clone(), r.cell[:, : n % CELL].clone(), r.delta.clone())
-        return HybridSnapshot(self.kv[:, :, :, :n].clone(), rec, logits)
+        return RecurrentState(r.conv.clone(), r.cell[:, : self.num_tokens % CELL].clone(), r.delta.clone())
+
+    def snapshot_of(self, kvs: KVSnapshot) -> HybridSnapshot:
+        """The snapshot made of `kvs` (this state's KV at its current length, as pieces) and a copy of
+        the recurrent state (runner/pieces.py)."""
+        if kvs.num_tokens != self.num_tokens:
+            raise ValueError(f"a hybrid state at {self.num_tokens} tokens has no snapshot at {kvs.num_tokens}")
+        return HybridSnapshot.from_kv(kvs, self.compact_recurrent())
 
     def clone(self) -> HybridState:
         return HybridState(self.kv.clone(), self.rec.clone(), self.num_tokens,
@@ -65,53 +75,58 @@ class HybridState(SessionState):
 
 
 class HybridSnapshot:
-    """Immutable cached hybrid state (implements cache.CachedState): one private piece of memory,
-    usable only at exactly `num_tokens`. Its recurrent `cell` holds only the num_tokens % CELL rows
-    in use (restore pads the zero rows back)."""
+    """Immutable cached hybrid state (implements cache.CachedState), usable only at exactly
+    `num_tokens`: the attention KV as a run of pieces (a KVSnapshot, shareable between entries on one
+    prefix path like any KV, runner/pieces.py) plus the private recurrent state, whose `cell` holds
+    only the num_tokens % CELL rows in use (restore pads the zero rows back)."""
 
     truncatable = False
 
     def __init__(self, kv: torch.Tensor, rec: RecurrentState, logits: torch.Tensor | None) -> None:
-        self._kv = kv  # compact [attention layers, 2, kv heads, num_tokens, head dim]
+        """One private KV piece: kv [attention layers, 2, kv heads, num_tokens, head dim], compact."""
+        self._kvs = KVSnapshot(kv, logits)
         self._rec = rec
-        self._logits = logits
-        self._key = ("hybrid", kv.untyped_storage().data_ptr(), rec.delta.untyped_storage().data_ptr())
+
+    @classmethod
+    def from_kv(cls, kvs: KVSnapshot, rec: RecurrentState) -> HybridSnapshot:
+        """A snapshot of KV pieces `kvs` (logits included) and the compact recurrent state `rec`."""
+        snap = cls.__new__(cls)
+        snap._kvs = kvs
+        snap._rec = rec
+        return snap
+
+    @property
+    def kv(self) -> KVSnapshot:
+        return self._kvs
 
     @property
     def num_tokens(self) -> int:
-        return self._kv.shape[3]
+        return self._kvs.num_tokens
 
     @property
     def has_logits(self) -> bool:
-        return self._logits is not None
+        return self._kvs.has_logits
 
     @property
     def logits(self) -> torch.Tensor | None:
-        return self._logits
+        return self._kvs.logits
 
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.storage())
 
     def storage(self) -> list[tuple[Hashable, int]]:
-        n = self._kv.numel() * self._kv.element_size() + self._rec.nbytes
-        if self._logits is not None:
-            n += self._logits.numel() * self._logits.element_size()
-        return [(self._key, n)]
+        rec = (("recurrent", self._rec.delta.untyped_storage().data_ptr()), self._rec.nbytes)
+        return [*self._kvs.storage(), rec]
 
     def restore(self, num_tokens: int, extra_capacity: int) -> HybridState:
         """Deep copy into a new HybridState with room for `extra_capacity` more tokens. num_tokens must
         be this snapshot's own length (a recurrent state is valid at one position only)."""
         if num_tokens != self.num_tokens:
             raise ValueError(f"a hybrid snapshot of {self.num_tokens} tokens cannot serve {num_tokens}")
-        layers, two, heads, n, head_dim = self._kv.shape
+        kv_state = self._kvs.restore(num_tokens, extra_capacity)
         r = self._rec
         cell = r.cell.new_zeros(r.cell.shape[0], CELL, r.cell.shape[2])
         cell[:, : r.cell.shape[1]] = r.cell
-        state = HybridState.fresh((layers, two, heads, head_dim), RecurrentState(r.conv.clone(), cell, r.delta.clone()),
-                                  self._kv.dtype, str(self._kv.device), n + extra_capacity)
-        state.kv[:, :, :, :n] = self._kv
-        state.num_tokens = n
-        if self._logits is not None:
-            state.logits = self._logits.clone()
-        return state
+        return HybridState(kv_state.kv, RecurrentState(r.conv.clone(), cell, r.delta.clone()), num_tokens,
+                           kv_state.logits)

@@ -157,16 +157,15 @@ def test_snapshot_and_restore_are_deep_copies_and_bytes_count_both(runner):
     rec_bytes = sum(t.numel() * t.element_size() for t in (st.rec.conv, st.rec.cell, st.rec.delta))
     assert st.nbytes == kv_bytes + rec_bytes + st.logits.numel() * 4
     snap = st.snapshot()
-    a, _ = snap.storage()[0], None
     cell_unused = (CELL - 90 % CELL) * st.rec.cell[:, :1].numel() * 4  # a snapshot keeps the cell rows in use only
-    assert snap.nbytes == a[1] == (st.kv[:, :, :, :90].numel() * st.kv.element_size() + rec_bytes - cell_unused
-                                   + st.logits.numel() * 4)
-    copy = (snap._kv.clone(), snap._rec.clone(), snap.logits.clone())
+    assert snap.nbytes == (st.kv[:, :, :, :90].numel() * st.kv.element_size() + rec_bytes - cell_unused
+                           + st.logits.numel() * 4)
+    copy = (snap.kv._kv.clone(), snap._rec.clone(), snap.logits.clone())
     r1 = snap.restore(90, 10)
     assert torch.equal(r1.rec.cell, st.rec.cell) and torch.equal(r1.rec.delta, st.rec.delta)  # padded back exactly
     _greedy(runner, r1, 3)  # mutate a restored state
     r1.rec.delta.add_(1.0)
-    assert torch.equal(snap._kv, copy[0]) and torch.equal(snap._rec.delta, copy[1].delta)
+    assert torch.equal(snap.kv._kv, copy[0]) and torch.equal(snap._rec.delta, copy[1].delta)
     assert torch.equal(snap._rec.cell, copy[1].cell) and torch.equal(snap.logits, copy[2])
     st.rec.conv.add_(1.0)  # mutating the source does not reach the snapshot either
     assert torch.equal(snap._rec.conv, copy[1].conv)
@@ -199,3 +198,27 @@ def test_start_up_self_test_accepts_the_hybrid(runner):
 
     result = self_test(runner)
     assert result.ok, result.detail
+
+
+def test_entries_on_one_path_share_their_kv_pieces(runner):
+    """A hybrid snapshot's attention KV is pieces like any KV (runner/pieces.py): the entry at 150
+    tokens holds the 100-token entry's pieces, and owns only its suffix and its recurrent state."""
+    ids = _prompt(150, 13)
+    ns = Namespace("m", "t", "")
+    store = PieceStore()
+    st = runner.new_state(150)
+    _prefill(runner, st, ids[:100])
+    short = store.snapshot(st, ids[:100], ns)
+    _prefill(runner, st, ids[100:])
+    long = store.snapshot(st, ids, ns, splits=[100])
+    assert isinstance(long, HybridSnapshot) and store.num_shared == 2  # [0, 64) and [64, 100)
+    shared = {k for k, _ in short.storage()} & {k for k, _ in long.storage()}
+    assert len(shared) == 2
+    resumed = long.restore(150, GREEDY)
+    ref_logits, ref_tokens = _scratch(runner, ids)
+    assert torch.equal(resumed.logits, ref_logits) and _greedy(runner, resumed) == ref_tokens
+    cache = PrefixCache(CacheConfig(max_bytes=1 << 30))
+    cache.insert(ns, tuple(ids[:100]), short)
+    cache.insert(ns, tuple(ids), long)
+    assert cache.stats().num_bytes < short.nbytes + long.nbytes
+    assert cache.check_integrity() is None
