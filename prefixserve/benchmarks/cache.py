@@ -30,6 +30,9 @@ def bench_cache(quick: bool = False, num_threads: int | None = None, print_fn: C
     dtype = torch.bfloat16 if _native_bf16() else torch.float32
     m = load_model(None, dtype)
     bench_tiers(m, ModelRunner(m.decoder), lambda n, nonce: _system_prompt(m.tokenizer, n, nonce), quick, print_fn)
+    from prefixserve.benchmarks.hybrid import bench_hybrid
+
+    bench_hybrid(quick, print_fn)  # docs/hybrid.md
 
 
 def _system_prompt(tokenizer, num_tokens: int, nonce: str) -> str:

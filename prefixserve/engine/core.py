@@ -169,6 +169,9 @@ class EngineCore:
             self.refills.after_step()
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
+            if end == s.boundary < s.prompt_len and s.state is not None and not s.state.truncatable:
+                self._insert(s, end)  # a snapshot-only state exists at this length only now (docs/hybrid.md)
+                s.to_insert.remove(end)
             if end == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.to_insert.append(end)
@@ -287,7 +290,8 @@ class EngineCore:
             s.to_insert.clear()
             return
         for num_tokens in s.to_insert:
-            self._insert(s, num_tokens)
+            if s.state.truncatable or num_tokens == s.state.num_tokens:  # snapshot-only: its own length only
+                self._insert(s, num_tokens)
         s.to_insert.clear()
 
     def _insert(self, s: Session, num_tokens: int) -> None:
@@ -300,7 +304,7 @@ class EngineCore:
         """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk)."""
         # piece edges at the cached entries on this key's path: their pieces are shared, not copied
         snap = self.pieces.snapshot(state, key, ns, self.cache.entry_lengths(ns, key))
-        if self.cache.insert(ns, key, snap).stored and self.disk is not None:
+        if self.cache.insert(ns, key, snap).stored and self.disk is not None and snap.truncatable:  # no hybrid files yet
             self.disk.offer(ns, key, snap)  # write-through, on the tier's writer thread
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------

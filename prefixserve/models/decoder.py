@@ -58,6 +58,7 @@ class Segment:
     kv: torch.Tensor
     want_logits: bool = True
     decode: bool = False  # a generated token: runs the decode kernels (must precede prefill segments)
+    rec: object | None = None  # recurrent layers' state (models/hybrid.py RecurrentState); None for KV-only models
 
 
 class Decoder:

@@ -92,11 +92,27 @@ def load_model(
 
         if decode_kernel == "int4":
             raise ModelLoadError("decode kernel int4 needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights")
+        from prefixserve.models import hybrid_loader
+
+        if hybrid_loader.is_hybrid_type(hybrid_loader.folder_model_type(path)):  # docs/hybrid.md
+            hy = hybrid_loader.HybridHFModel(path)
+            hdec = hybrid_loader.build_hybrid(hy, dtype, device, tiles or TilePlan())
+            return LoadedModel(hdec, load_tokenizer_folder(path), hy.arch, name, path)  # type: ignore[arg-type]
         hf = HFModel(path)
         decoder = build_decoder(hf.arch, hf.tensor, dtype, device, tiles or TilePlan())
         return LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
+    from prefixserve.models import gguf_hybrid
+
+    if gguf_hybrid.gguf_architecture(path) in (*gguf_hybrid.GGUF_HYBRID_ARCHS, *gguf_hybrid.GGUF_UNSUPPORTED):
+        if decode_kernel == "int4":
+            raise ModelLoadError("decode kernel int4 is not available for hybrid (qwen35) models")
+        from prefixserve.models.hybrid_loader import build_hybrid
+
+        hg = gguf_hybrid.HybridGGUFModel(path)  # docs/hybrid.md
+        hdec = build_hybrid(hg, dtype, device, tiles or TilePlan())  # type: ignore[arg-type]
+        return LoadedModel(hdec, load_tokenizer_gguf(path), hg.arch, name, path)  # type: ignore[arg-type]
     gm = GGUFModel(path)
     decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel)
     return LoadedModel(decoder, load_tokenizer_gguf(path), gm.arch, name, path)

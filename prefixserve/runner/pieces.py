@@ -47,15 +47,19 @@ class PieceStore:
         """A snapshot of the first len(token_ids) tokens of `state` (which must hold at least that many
         and have computed them from exactly `token_ids`), sharing every piece already live. Extra
         piece edges at `splits` (those outside (0, n) are ignored). Logits only at the state's end.
-        Does not mutate `state`. A state that is not truncatable is snapshotted whole."""
+        Does not mutate `state`. A state that is not truncatable is snapshotted at its own length only:
+        its KV as shared pieces if it offers `snapshot_of` (runner/hybrid_state.py), else whole."""
         n = len(token_ids)
         assert 0 < n <= state.num_tokens
-        if not state.truncatable:
-            return state.snapshot(n, with_logits)
+        snapshot_of = getattr(state, "snapshot_of", None)
+        if not state.truncatable and (snapshot_of is None or n != state.num_tokens):
+            return state.snapshot(n, with_logits)  # raises for a length the state does not describe
         pieces = []
         for start, end, digest in _edges(token_ids, self.piece_tokens, splits):
             pieces.append(self._piece(state, (scope, digest, start), start, end))
         logits = state.logits.clone() if (with_logits and n == state.num_tokens and state.logits is not None) else None
+        if not state.truncatable:
+            return snapshot_of(KVSnapshot.from_pieces(pieces, logits))  # type: ignore[no-any-return,misc]
         return KVSnapshot.from_pieces(pieces, logits)
 
     def adopt(self, snap: KVSnapshot, token_ids: Sequence[int], scope: Hashable) -> KVSnapshot:

@@ -32,6 +32,11 @@ class ModelRunner:
         self.state_shape = (a.num_layers, 2, a.num_kv_heads, a.head_dim)
 
     def new_state(self, capacity: int = 0) -> SessionState:
+        if getattr(self.decoder, "hybrid", False):  # attention KV + recurrent state (runner/hybrid_state.py)
+            from prefixserve.runner.hybrid_state import HybridState
+
+            d = self.decoder
+            return HybridState.fresh(d.kv_shape, d.new_recurrent(), d.dtype, str(d.device), capacity)  # type: ignore[attr-defined]
         return SessionState.empty(self.state_shape, self.decoder.dtype, str(self.decoder.device), capacity)
 
     def kv_bytes_per_token(self) -> int:
@@ -48,7 +53,8 @@ class ModelRunner:
         for it in items:
             assert len(it.token_ids) > 0 and (not it.decode or len(it.token_ids) == 1)
             it.state.reserve(it.state.num_tokens + len(it.token_ids))
-            segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits, it.decode))
+            segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits, it.decode,
+                                    getattr(it.state, "rec", None)))
         ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.decoder.device)
         logits = self.decoder.forward(ids, segments).clone()  # a normal tensor, not an inference tensor
         row = 0

@@ -77,10 +77,11 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
     beside all-zero neighbours (the padding of a last tile)."""
     g = torch.Generator().manual_seed(seed)
     lw = dec.layers[0]
+    hybrid_weights = getattr(dec, "tile_weights", None)  # models/hybrid.py: its own weight shapes
     weights: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = [
         ("qkv", lw.qkv, lw.qkv_bias, plan.rows), ("o_proj", lw.o_proj, None, plan.rows),
         ("gate_up", lw.gate_up, None, plan.rows), ("down", lw.down, None, plan.rows),
-    ]
+    ] if hybrid_weights is None else [(name, w, None, plan.rows) for name, w in hybrid_weights()]
     if dec.lm_head_q4 is None:
         weights.append(("lm_head", dec.lm_head, None, plan.head_rows))
     for name, w, bias, size in weights:

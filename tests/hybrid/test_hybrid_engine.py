@@ -1,0 +1,85 @@
+"""The engine with a tiny hybrid model: the learning sequence with snapshot-only states, the next chat
+turn, isolation, and outputs equal to a cache-less engine's (docs/hybrid.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import torch
+
+from prefixserve.cache import PrefixCache
+from prefixserve.config import CacheConfig, EngineConfig
+from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.models import load_model
+from prefixserve.models.gated_delta import CELL
+from prefixserve.runner import ModelRunner
+from prefixserve.types import Namespace, Request, SamplingParams, Usage
+from tests.hybrid.tiny import make_model
+
+torch.set_num_threads(1)
+SYSTEM = "You are a terse assistant for the Hybrid Test Suite. " * 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen35e"))
+    make_model(folder, layers=4, seed=21)
+    return load_model(folder, torch.float32)
+
+
+def make_engine(model, max_bytes: int, chunk: int = 64) -> AsyncEngine:
+    core = EngineCore(ModelRunner(model.decoder, 1), model.tokenizer, PrefixCache(CacheConfig(max_bytes=max_bytes)),
+                      EngineConfig(prefill_chunk_tokens=chunk, max_batch_tokens=128), 2048, lambda r, d: None)
+    return AsyncEngine(core, "tiny", model.tokenizer, "test", model.arch.vocab_size)
+
+
+async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int = 8) -> tuple[list[int], Usage]:
+    req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True))
+    out: list[int] = []
+    usage = None
+    async for d in engine.generate(req):
+        out += d.token_ids
+        usage = d.usage or usage
+    assert usage is not None
+    return out, usage
+
+
+def test_learning_sequence_next_turn_and_isolation(model):
+    tok = model.tokenizer
+    prompts = [tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}])
+               for u in ("Alpha question here?", "Bravo, tell me more.", "Charlie wants to know.",
+                         "Alpha question here?")]
+    shared = 0
+    while prompts[0][shared] == prompts[1][shared]:
+        shared += 1
+    assert 200 < shared < len(prompts[1]) and shared % CELL  # the common prefix ends inside a cell
+    ns, other = Namespace("tiny", "tenant-a"), Namespace("tiny", "tenant-b")
+
+    cached, plain = make_engine(model, 1 << 30), make_engine(model, 0)
+
+    async def scenario():
+        results = []
+        for p in prompts:
+            results.append((await run(cached, p, ns), await run(plain, p, ns)))
+        r1_out = results[0][0][0]
+        turn2 = prompts[0] + r1_out + tok.encode("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n")
+        results.append((await run(cached, turn2, ns), await run(plain, turn2, ns)))
+        results.append((await run(cached, prompts[2], other), await run(plain, prompts[2], other)))
+        await cached.shutdown()
+        await plain.shutdown()
+        return results, None
+
+    results, _ = asyncio.run(scenario())
+    for (out, _), (ref, ref_usage) in results:
+        assert out == ref  # exact: the cached engine answers as the cache-less one
+        assert ref_usage.cached_tokens == 0
+    cached_tokens = [u.cached_tokens for (_, u), _ in results]
+    n1 = len(prompts[0])
+    # 1: cold, stores its full prompt; 2: the full-prompt entry is snapshot-only and not a prefix: 0,
+    # stores a boundary at the exact common prefix; 3: resumes there; 4 = 1: whole prompt, no forward;
+    # turn 2: the finished turn (prompt + reply but its last token); another tenant: miss
+    assert cached_tokens == [0, 0, shared, n1, n1 + 8 - 1, 0]
+    assert cached.core.cache.check_integrity() is None

@@ -1,0 +1,224 @@
+"""Exactness of hybrid states (docs/hybrid.md): resuming from any snapshot (grid positions, odd
+positions, full-prompt entries) equals a run from scratch bit for bit (torch.equal on logits, the
+same greedy tokens), alone and batched with 1, 3 and 7 others; decoded states equal prefilled ones;
+snapshots are deep copies; the cache never truncates a hybrid snapshot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixserve.cache import Hit, PrefixCache
+from prefixserve.config import CacheConfig
+from prefixserve.models.gated_delta import CELL
+from prefixserve.runner import ModelRunner, StepItem
+from prefixserve.runner.hybrid_state import HybridSnapshot, HybridState
+from prefixserve.runner.pieces import PieceStore
+from prefixserve.types import Namespace
+from tests.hybrid.tiny import VOCAB, make_model
+
+torch.set_num_threads(1)
+GREEDY = 6
+LENGTHS = (70, 128, 203)
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def runner(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen35x"))
+    make_model(folder, layers=4, seed=7, with_tokenizer=False)
+    from prefixserve.models.hybrid_loader import HybridHFModel, build_hybrid
+    from prefixserve.models.layers import TilePlan
+
+    dtype = torch.float32 if request.param == "fp32" else torch.bfloat16
+    dec = build_hybrid(HybridHFModel(folder), dtype, "cpu", TilePlan())
+    return ModelRunner(dec, 1)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB - 3, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(runner: ModelRunner, state, ids: list[int], cuts: tuple[int, ...] = ()) -> None:
+    """Feed ids (appending to state) in chunks ending at `cuts` (relative to state start) and at 256s."""
+    base = state.num_tokens
+    edges = sorted({c for c in cuts if 0 < c < len(ids)} | set(range(256, len(ids), 256)) | {len(ids)})
+    start = 0
+    for end in edges:
+        runner.step([StepItem(state, ids[start:end], want_logits=end == len(ids))])
+        start = end
+    assert state.num_tokens == base + len(ids)
+
+
+def _greedy(runner: ModelRunner, state, n: int = GREEDY) -> list[int]:
+    out = []
+    for _ in range(n):
+        t = int(state.logits.argmax())
+        out.append(t)
+        runner.step([StepItem(state, [t], decode=True)])
+    return out
+
+
+def _scratch(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    st = runner.new_state(len(ids) + GREEDY)
+    _prefill(runner, st, ids)
+    logits = st.logits.clone()
+    return logits, _greedy(runner, st)
+
+
+def test_any_chunking_gives_the_same_bits(runner):
+    ids = _prompt(203, 1)
+    ref, _ = _scratch(runner, ids)
+    for cuts in [(1,), (63,), (64, 128), (5, 6, 70, 150), tuple(range(7, 203, 7)), tuple(range(1, 203))]:
+        st = runner.new_state(len(ids))
+        _prefill(runner, st, ids, cuts)
+        assert torch.equal(st.logits, ref), cuts
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_resume_from_every_grid_snapshot_and_odd_positions(runner, n):
+    ids = _prompt(n, n)
+    ref_logits, ref_tokens = _scratch(runner, ids)
+    depths = sorted(set(range(CELL, n, CELL)) | {1, 2, 31, 33, 63, 65, n // 2, n - 1})
+    for d in depths:
+        src = runner.new_state(n)
+        _prefill(runner, src, ids[:d])
+        snap = src.snapshot()
+        assert isinstance(snap, HybridSnapshot) and not snap.truncatable
+        st = snap.restore(d, n - d + GREEDY)
+        _prefill(runner, st, ids[d:])
+        assert torch.equal(st.logits, ref_logits), d
+        assert _greedy(runner, st) == ref_tokens, d
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_full_prompt_entry_gives_the_first_token_with_no_forward(runner, n):
+    ids = _prompt(n, 100 + n)
+    ref_logits, ref_tokens = _scratch(runner, ids)
+    src = runner.new_state(n)
+    _prefill(runner, src, ids)
+    snap = src.snapshot()
+    assert snap.has_logits and torch.equal(snap.logits, ref_logits)
+    st = snap.restore(n, GREEDY)
+    assert _greedy(runner, st) == ref_tokens
+
+
+def test_decoded_state_equals_prefilled_state(runner):
+    ids = _prompt(100, 5)
+    st = runner.new_state(140)
+    _prefill(runner, st, ids)
+    toks = _greedy(runner, st, 30)  # crosses the cell edge at 128
+    fresh = runner.new_state(140)
+    _prefill(runner, fresh, ids + toks)
+    st_logits = st.logits
+    assert st.num_tokens == fresh.num_tokens
+    assert torch.equal(st.kv[:, :, :, : st.num_tokens], fresh.kv[:, :, :, : fresh.num_tokens])
+    for a, b in ((st.rec.conv, fresh.rec.conv), (st.rec.cell, fresh.rec.cell), (st.rec.delta, fresh.rec.delta)):
+        assert torch.equal(a, b)
+    assert torch.equal(st_logits, fresh.logits)
+
+
+@pytest.mark.parametrize("others", [1, 3, 7])
+def test_batch_invariance(runner, others):
+    """One session's logits and greedy tokens are the same alone and beside `others` sessions, some
+    mid-prefill, some decoding, all at other positions of their cells."""
+    ids = _prompt(150, 9)
+    ref_logits, ref_tokens = _scratch(runner, ids)
+    st = runner.new_state(150 + GREEDY)
+    mates = []
+    for j in range(others):
+        m = runner.new_state(400)
+        _prefill(runner, m, _prompt(17 + 29 * j, 50 + j))
+        mates.append(m)
+    # prefill in 3 chunks, each step batched with the others (decode rows and prefill chunks)
+    for a, b in ((0, 40), (40, 129), (129, 150)):
+        items = [StepItem(st, ids[a:b], want_logits=b == 150)]
+        for j, m in enumerate(mates):
+            if j % 2:
+                items.append(StepItem(m, [int(m.logits.argmax())] if m.logits is not None else [1], decode=True))
+            else:
+                items.append(StepItem(m, _prompt(11 + j, 70 + j + a)))
+        runner.step(items)
+    assert torch.equal(st.logits, ref_logits)
+    got = []
+    for _ in range(GREEDY):
+        t = int(st.logits.argmax())
+        got.append(t)
+        items = [StepItem(st, [t], decode=True)] + [StepItem(m, [3 + j], decode=True) for j, m in enumerate(mates)]
+        runner.step(items)
+    assert got == ref_tokens
+
+
+def test_snapshot_and_restore_are_deep_copies_and_bytes_count_both(runner):
+    ids = _prompt(90, 11)
+    st = runner.new_state(90)
+    _prefill(runner, st, ids)
+    assert isinstance(st, HybridState)
+    kv_bytes = st.kv.numel() * st.kv.element_size()
+    rec_bytes = sum(t.numel() * t.element_size() for t in (st.rec.conv, st.rec.cell, st.rec.delta))
+    assert st.nbytes == kv_bytes + rec_bytes + st.logits.numel() * 4
+    snap = st.snapshot()
+    cell_unused = (CELL - 90 % CELL) * st.rec.cell[:, :1].numel() * 4  # a snapshot keeps the cell rows in use only
+    assert snap.nbytes == (st.kv[:, :, :, :90].numel() * st.kv.element_size() + rec_bytes - cell_unused
+                           + st.logits.numel() * 4)
+    copy = (snap.kv._kv.clone(), snap._rec.clone(), snap.logits.clone())
+    r1 = snap.restore(90, 10)
+    assert torch.equal(r1.rec.cell, st.rec.cell) and torch.equal(r1.rec.delta, st.rec.delta)  # padded back exactly
+    _greedy(runner, r1, 3)  # mutate a restored state
+    r1.rec.delta.add_(1.0)
+    assert torch.equal(snap.kv._kv, copy[0]) and torch.equal(snap._rec.delta, copy[1].delta)
+    assert torch.equal(snap._rec.cell, copy[1].cell) and torch.equal(snap.logits, copy[2])
+    st.rec.conv.add_(1.0)  # mutating the source does not reach the snapshot either
+    assert torch.equal(snap._rec.conv, copy[1].conv)
+    with pytest.raises(ValueError):
+        snap.restore(64, 10)
+    with pytest.raises(ValueError):
+        st.snapshot(64)
+    with pytest.raises(ValueError):
+        st.truncate(64)
+
+
+def test_the_cache_never_truncates_a_hybrid_snapshot(runner):
+    ids = _prompt(150, 12)
+    st = runner.new_state(150)
+    _prefill(runner, st, ids[:100])
+    cache = PrefixCache(CacheConfig(max_bytes=1 << 30))
+    ns = Namespace("m", "t", "")
+    snap = PieceStore().snapshot(st, ids[:100], ns)  # stored whole, one private piece
+    assert isinstance(snap, HybridSnapshot)
+    cache.insert(ns, tuple(ids[:100]), snap)
+    assert not isinstance(cache.lookup(ns, ids[:80] + [1, 2, 3]), Hit)  # shares 80 of its 100 tokens: no use
+    same = cache.lookup(ns, ids[:100])  # the prompt itself: whole, from its stored logits
+    assert snap.has_logits and isinstance(same, Hit) and same.num_cached_tokens == 100
+    hit = cache.lookup(ns, ids)  # a longer prompt: exactly its 100 tokens
+    assert isinstance(hit, Hit) and hit.num_cached_tokens == 100
+
+
+def test_start_up_self_test_accepts_the_hybrid(runner):
+    from prefixserve.runner.selftest import self_test
+
+    result = self_test(runner)
+    assert result.ok, result.detail
+
+
+def test_entries_on_one_path_share_their_kv_pieces(runner):
+    """A hybrid snapshot's attention KV is pieces like any KV (runner/pieces.py): the entry at 150
+    tokens holds the 100-token entry's pieces, and owns only its suffix and its recurrent state."""
+    ids = _prompt(150, 13)
+    ns = Namespace("m", "t", "")
+    store = PieceStore()
+    st = runner.new_state(150)
+    _prefill(runner, st, ids[:100])
+    short = store.snapshot(st, ids[:100], ns)
+    _prefill(runner, st, ids[100:])
+    long = store.snapshot(st, ids, ns, splits=[100])
+    assert isinstance(long, HybridSnapshot) and store.num_shared == 2  # [0, 64) and [64, 100)
+    shared = {k for k, _ in short.storage()} & {k for k, _ in long.storage()}
+    assert len(shared) == 2
+    resumed = long.restore(150, GREEDY)
+    ref_logits, ref_tokens = _scratch(runner, ids)
+    assert torch.equal(resumed.logits, ref_logits) and _greedy(runner, resumed) == ref_tokens
+    cache = PrefixCache(CacheConfig(max_bytes=1 << 30))
+    cache.insert(ns, tuple(ids[:100]), short)
+    cache.insert(ns, tuple(ids), long)
+    assert cache.stats().num_bytes < short.nbytes + long.nbytes
+    assert cache.check_integrity() is None
