@@ -189,11 +189,18 @@ class EngineCore:
         involved = [(s, t) for s, t in self._last_step if s.phase is not Phase.FINISHED]
         self._last_step = []
         self.refills.drop(lambda ns: True)
-        for s, token in involved:
+        for s, token in list(involved):
+            if s.state is not None and not s.state.truncatable:
+                # a recurrent state may have been updated in place by the partial forward: no retry
+                involved.remove((s, token))
+                self._finish(s, FinishReason.ERROR, error=message)
+                continue
             if token is not None:
                 self._pending[s.request.request_id] = token  # not fed: feed it again
             if s.state is not None:  # a partial forward may have written past the valid keys
                 s.state.truncate(s.state.num_tokens, force_zero=True)
+        if not involved:
+            return
         if len(involved) == 1 and self.suspects[:1] == [involved[0][0]]:
             self.suspects.pop(0)
             self._finish(involved[0][0], FinishReason.ERROR, error=message)
