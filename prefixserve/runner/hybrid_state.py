@@ -43,10 +43,13 @@ class HybridState(SessionState):
     def nbytes(self) -> int:
         return super().nbytes + self.rec.nbytes
 
-    def truncate(self, num_tokens: int) -> None:
-        """Only to the current length (a no-op): a recurrent state cannot go back."""
+    def truncate(self, num_tokens: int, force_zero: bool = False) -> None:
+        """Only to the current length: a recurrent state cannot go back. force_zero zeroes the
+        attention KV past it (as SessionState.truncate does)."""
         if num_tokens != self.num_tokens:
             raise ValueError(f"a hybrid state at {self.num_tokens} tokens cannot be truncated to {num_tokens}")
+        if force_zero:
+            self.kv[:, :, :, num_tokens:].zero_()
 
     def snapshot(self, num_tokens: int | None = None, with_logits: bool = True) -> HybridSnapshot:  # type: ignore[override]
         """A deep copy at the current length (the only one a recurrent state describes)."""
