@@ -5,12 +5,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
 from prefixserve.models import load_model
 from prefixserve.models.loader import embedded_model_path
-from prefixserve.runner import ModelRunner, StepItem
+from prefixserve.runner import ModelRunner, SessionState, StepItem
 from prefixserve.runner.selftest import self_test
 
 PREFILL_CHUNK = 256  # the engine's default prefill chunk
@@ -52,6 +53,11 @@ def bench_engine(quick: bool = False, num_threads: int | None = None, print_fn: 
 def _median(fn: Callable[[], float], reps: int) -> float:
     fn()  # warm-up
     return statistics.median(fn() for _ in range(reps))
+
+
+def _logits(st: SessionState) -> torch.Tensor:
+    assert st.logits is not None
+    return st.logits
 
 
 def cpu_name() -> str:
@@ -98,7 +104,7 @@ def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str]) -> dict[
         def decode() -> float:
             t0 = time.perf_counter()
             for _ in range(steps):
-                runner.step([StepItem(st, [int(torch.argmax(st.logits))], decode=True) for st in states])
+                runner.step([StepItem(st, [int(torch.argmax(_logits(st)))], decode=True) for st in states])
             return (time.perf_counter() - t0) / steps
 
         out[f"decode{batch}"] = 1000 * _median(decode, 1)
@@ -149,12 +155,13 @@ def reference_model(dtype: torch.dtype):  # -> transformers.LlamaForCausalLM
 
     gm = GGUFModel(embedded_model_path())
     a = gm.arch
-    config = LlamaConfig(
+    kw: dict[str, Any] = dict(
         vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-        max_position_embeddings=a.max_position, rope_theta=a.rope_theta, rms_norm_eps=a.rms_eps,
-        tie_word_embeddings=a.tie_embeddings,
+        max_position_embeddings=a.max_position, rms_norm_eps=a.rms_eps, tie_word_embeddings=a.tie_embeddings,
+        rope_theta=a.rope_theta,
     )
+    config = LlamaConfig(**kw)
     model = LlamaForCausalLM(config)
     state = {}
     for name in model.state_dict():
@@ -162,4 +169,4 @@ def reference_model(dtype: torch.dtype):  # -> transformers.LlamaForCausalLM
         if t is not None:
             state[name] = t
     model.load_state_dict(state, strict=False)
-    return model.to(dtype).eval()
+    return cast(Any, model).to(dtype).eval()
