@@ -25,51 +25,26 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from typing import Any
 
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file
 from prefixserve.cache.entry import FlushResult
+from prefixserve.cache.shared_link import Link
 from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, digest, disk_ns
+from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope, Namespace
 
 log = logging.getLogger("prefixserve.cache")
 MAX_PENDING_WRITES = 64  # values are whole states (MBs): more queued than this are dropped, counted
 MAX_CANDIDATES = 8  # entry lengths probed per lookup, longest first
 MAC_BYTES = 32
-BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 8.0
-LOG_EVERY_S = 30.0  # at most one "unavailable" line per this many seconds
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class SharedTierConfig:
-    url: str  # redis://host:port/db (rediss:// for TLS)
-    secret: bytes = b""  # the per-deployment HMAC key, the same on every replica
-    prefix: str = "prefixserve"
-    timeout_s: float = 1.0  # socket connect and per-read timeout: a slow Redis is a miss, not a stall
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("the Redis URL must start with redis://, rediss:// or unix://")
-        if len(self.secret) < 16:
-            raise ValueError("the shared cache tier needs a secret of at least 16 bytes (--cache-redis-key)")
-        if self.timeout_s <= 0:
-            raise ValueError("timeout_s must be > 0")
-
-    def __repr__(self) -> str:  # never print the secret
-        return f"SharedTierConfig(url={self.url!r}, prefix={self.prefix!r}, timeout_s={self.timeout_s})"
 
 
 @dataclass(slots=True)
 class SharedCounters:
-    num_errors: int = 0  # Redis calls that failed (down, slow, full, refused)
     num_present: int = 0  # writes skipped: the key was there already (another replica wrote it)
 
 
@@ -81,9 +56,8 @@ class SharedTier:
         self.fingerprint = fingerprint
         self.runtime = runtime
         self._codec = codec
-        self._redis = redis.Redis.from_url(
-            config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._link = Link(config.url, config.timeout_s)
+        self._redis = self._link.client
         self._lock = threading.Condition()
         self._c = TierCounters()
         self._s = SharedCounters()
@@ -92,9 +66,6 @@ class SharedTier:
         self._flushes: list[tuple[int, FlushScope]] = []
         self._busy = False
         self._closed = False
-        self._down_until = 0.0  # monotonic time before which Redis is not tried
-        self._backoff_s = 0.0  # 0 = healthy
-        self._last_log = -LOG_EVERY_S
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-redis-load")
         self._writer = threading.Thread(target=self._write_loop, name="prefixserve-redis-write", daemon=True)
         self._writer.start()
@@ -105,7 +76,7 @@ class SharedTier:
         """Start looking for the longest entry of `ns` whose key is a prefix of `prompt` and holds at
         least `min_tokens` tokens, read and verify it, on the loader thread. None when Redis is in
         back-off (no wait at all). The future never raises: a miss is LoadFailed."""
-        if min_tokens > len(prompt) or not self._available():
+        if min_tokens > len(prompt) or not self._link.available():
             return None
         return self._loader.submit(self._find, ns, tuple(prompt), max(1, min_tokens))
 
@@ -113,7 +84,7 @@ class SharedTier:
         """Queue `state` (immutable from now on) to be written; False (counted) when the queue is full,
         Redis is in back-off or the tier is closed. Never blocks on IO."""
         with self._lock:
-            if self._closed or len(self._pending) >= MAX_PENDING_WRITES or not self._available_locked():
+            if self._closed or len(self._pending) >= MAX_PENDING_WRITES or not self._link.available():
                 self._c.num_dropped_writes += 1
                 return False
             self._pending.append((ns, token_ids, state, self._epoch))
@@ -141,7 +112,7 @@ class SharedTier:
                     batch = []
             num_entries, num_bytes = _add(self._delete(batch), (num_entries, num_bytes))
 
-        self._call("flush", scan_delete, None)
+        self._link.call("flush", scan_delete, None)
         with self._lock:
             self._c.num_flushed += num_entries
         return FlushResult(num_entries, num_bytes)
@@ -154,7 +125,8 @@ class SharedTier:
                    for f in fields(TierCounters) if (n := f.name.removeprefix("num_")) not in ("evictions",)}
             out.update({"redis_" + f.name.removeprefix("num_"): float(getattr(self._s, f.name))
                         for f in fields(SharedCounters)})
-            out.update(redis_pending_writes=float(len(self._pending)), redis_up=float(self._backoff_s == 0))
+            out.update(redis_pending_writes=float(len(self._pending)), redis_up=float(self._link.up),
+                       redis_errors=float(self._link.num_errors))
             return out
 
     def wait_idle(self, timeout: float) -> bool:
@@ -176,12 +148,15 @@ class SharedTier:
             self._lock.notify_all()
         self._writer.join(timeout)
         self._loader.shutdown(wait=True)
-        self._redis.close()
+        self._link.close()
 
     def check_integrity(self) -> None:
+        """The queue is bounded, and no queued write belongs to a namespace flushed after it was queued."""
         with self._lock:
             assert len(self._pending) <= MAX_PENDING_WRITES
-            assert (self._backoff_s == 0) == (self._down_until == 0.0)
+            for ns, _, _, epoch in self._pending:
+                assert epoch <= self._epoch
+                assert not any(e > epoch and scope.selects(ns) for e, scope in self._flushes), "flushed write queued"
 
     # ---- keys and values (pure) -----------------------------------------------------------------
 
@@ -204,11 +179,11 @@ class SharedTier:
         with self._lock:
             self._c.num_lookups += 1
         failed = LoadFailed("no usable entry")
-        lengths: Any = self._call("lookup", lambda: self._redis.zrevrangebyscore(
+        lengths: Any = self._link.call("lookup", lambda: self._redis.zrevrangebyscore(
             self._ns_prefix(ns) + ":len", len(prompt), min_tokens, start=0, num=MAX_CANDIDATES), None)
         for length in sorted({int(x) for x in lengths or ()}, reverse=True):
             key = self.key(ns, prompt[:length])
-            value: Any = self._call("read", lambda k=key: self._redis.get(k), None)  # type: ignore[misc]
+            value: Any = self._link.call("read", lambda k=key: self._redis.get(k), None)  # type: ignore[misc]
             if value is None:
                 continue  # evicted by Redis's LRU (its length is still indexed), or Redis failed
             with self._lock:
@@ -250,8 +225,8 @@ class SharedTier:
         if stale:
             with self._lock:
                 self._c.num_stale_files += 1
-        self._rate_limited_log("redis tier: dropping a value: %s", reason)
-        self._call("delete", lambda: self._redis.delete(key), None)
+        self._link.warn("redis tier: dropping a value: %s", reason)
+        self._link.call("delete", lambda: self._redis.delete(key), None)
         return LoadFailed(reason)
 
     def _write_loop(self) -> None:
@@ -275,7 +250,7 @@ class SharedTier:
 
     def _write(self, ns: Namespace, token_ids: tuple[int, ...], state: Any, epoch: int) -> None:
         key = self.key(ns, token_ids)
-        if self._call("write", lambda: self._redis.exists(key), None) != 0:  # present, or Redis failed
+        if self._link.call("write", lambda: self._redis.exists(key), None) != 0:  # present, or Redis failed
             with self._lock:
                 self._s.num_present += 1
             return
@@ -292,7 +267,7 @@ class SharedTier:
             pipe.execute()
             return True
 
-        sent = self._call("write", send, False)
+        sent = self._link.call("write", send, False)
         with self._lock:
             flushed = any(e > epoch and scope.selects(ns) for e, scope in self._flushes)
             if sent and not flushed:
@@ -301,47 +276,7 @@ class SharedTier:
             elif not sent:
                 self._c.num_dropped_writes += 1
         if sent and flushed:  # flushed while being written
-            self._call("delete", lambda: self._redis.delete(key), None)
-
-    # ---- connection health ----------------------------------------------------------------------
-
-    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
-        """`fn()` against Redis, or `default` when Redis is in back-off or the call fails (counted,
-        logged at most every LOG_EVERY_S, back-off doubled). A success ends the back-off."""
-        if not self._available():
-            return default
-        try:
-            result = fn()
-        except redis.exceptions.RedisError as e:
-            full = isinstance(e, redis.exceptions.ResponseError)  # OOM under noeviction, a refused command
-            with self._lock:
-                self._s.num_errors += 1
-                if not full:
-                    self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, 2 * self._backoff_s))
-                    self._down_until = time.monotonic() + self._backoff_s
-            self._rate_limited_log("redis tier: %s failed (%s: %s); serving from the local tiers",
-                                   what, type(e).__name__, e)
-            return default
-        with self._lock:
-            if self._backoff_s:
-                log.info("redis tier: %s is reachable again", self.config.url.split("@")[-1])
-                self._backoff_s, self._down_until = 0.0, 0.0
-        return result
-
-    def _available(self) -> bool:
-        with self._lock:
-            return self._available_locked()
-
-    def _available_locked(self) -> bool:
-        return self._backoff_s == 0 or time.monotonic() >= self._down_until
-
-    def _rate_limited_log(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_log < LOG_EVERY_S:
-                return
-            self._last_log = now
-        log.warning(msg, *args)
+            self._link.call("delete", lambda: self._redis.delete(key), None)
 
     def _delete(self, keys: list[bytes]) -> tuple[int, int]:
         """(values deleted, their bytes) of `keys`; length indexes are deleted too, not counted."""

@@ -13,8 +13,9 @@ import pytest
 import redis
 from cache_fakes import NS_A, NS_A_OTHER_MODEL, NS_A_SALT, NS_B
 
-from prefixserve.cache.shared import MAC_BYTES, SharedTier, SharedTierConfig
+from prefixserve.cache.shared import MAC_BYTES, SharedTier
 from prefixserve.cache.tier import Loaded, LoadFailed
+from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope
 from tests.helpers.redis_proc import RedisServer
 
