@@ -2,8 +2,9 @@
 miss, by every replica of a deployment. Contracts, keys and value format: docs/cache.md, "Shared tier".
 
 Threads: the engine thread calls `find`, `offer`, `flush`, `stats`; one writer thread sends values;
-one loader thread probes and reads them. Counters, the job queue and the connection's health are
-guarded by `_lock`; network IO and (de)serialisation run outside it.
+LOADER_THREADS threads probe and read them (network-bound, so one session's slow read does not hold
+up another's lookup). Counters and the job queue are guarded by `_lock`, the connection's health by
+the Link's; network IO and (de)serialisation run outside both.
 
 Keys (no tenant id or salt, only the digests of cache/tier.py):
     <prefix>:<tenant digest>:<salt digest>:<model digest>:<token digest>   the value
@@ -40,6 +41,7 @@ from prefixserve.types import FlushScope, Namespace
 log = logging.getLogger("prefixserve.cache")
 MAX_PENDING_WRITES = 64  # values are whole states (MBs): more queued than this are dropped, counted
 MAX_CANDIDATES = 8  # entry lengths probed per lookup, longest first
+LOADER_THREADS = 4
 MAC_BYTES = 32
 
 
@@ -66,7 +68,7 @@ class SharedTier:
         self._flushes: list[tuple[int, FlushScope]] = []
         self._busy = False
         self._closed = False
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-redis-load")
+        self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="prefixserve-redis-load")
         self._writer = threading.Thread(target=self._write_loop, name="prefixserve-redis-write", daemon=True)
         self._writer.start()
 
