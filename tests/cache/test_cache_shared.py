@@ -166,3 +166,15 @@ def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: red
     assert t.flush(FlushScope(None, None)).num_entries == 1 and client.keys("*") == []
     assert t.stats()["redis_flushed"] == 4
     t.close()
+
+
+def test_a_full_redis_drops_the_write_and_stays_up() -> None:
+    with RedisServer(maxmemory="2mb", policy="noeviction") as full:
+        t = tier(full)
+        put(t, NS_A, SYS, b"x" * (4 << 20))  # over maxmemory: Redis answers OOM
+        s = t.stats()
+        assert (s["redis_writes"], s["redis_dropped_writes"], s["redis_errors"], s["redis_up"]) == (0, 1, 1, 1)
+        assert isinstance(get(t, NS_A, SYS), LoadFailed)  # a miss, and Redis is still used
+        put(t, NS_A, SYS, b"y" * 100)
+        assert isinstance(get(t, NS_A, SYS), Loaded) and t.stats()["redis_writes"] == 1
+        t.close()

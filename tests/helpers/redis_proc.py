@@ -30,11 +30,12 @@ def redis_server_binary() -> str:
 
 
 class RedisServer:
-    def __init__(self, maxmemory: str = "512mb") -> None:
+    def __init__(self, maxmemory: str = "512mb", policy: str = "allkeys-lru") -> None:
         self.binary = redis_server_binary()
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.maxmemory = maxmemory
+        self.policy = policy
         self._dir = tempfile.TemporaryDirectory(prefix="prefixserve-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -50,7 +51,7 @@ class RedisServer:
         assert self.proc is None
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+             "--dir", self._dir.name, "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
              "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
