@@ -9,6 +9,8 @@ the Link's; network IO and (de)serialisation run outside both.
 Keys (no tenant id or salt, only the digests of cache/tier.py):
     <prefix>:<tenant digest>:<salt digest>:<model digest>:<token digest>   the value
     <prefix>:<tenant digest>:<salt digest>:<model digest>:len              ZSET of entry lengths
+    <prefix>:<tenant digest>:<salt digest>:<model digest>:p:<token digest>  marker: the key of an entry
+                                                  extending that prefix (every 64 tokens of an entry)
 A value is the disk tier's file (same header: fingerprint, runtime, digests, token ids; same
 checksum) followed by HMAC-SHA256(secret, key name + file). It is used only if the MAC, the
 checksum, the fingerprint, the runtime, the digests and the token ids all match; otherwise it is
@@ -42,6 +44,7 @@ log = logging.getLogger("prefixserve.cache")
 MAX_PENDING_WRITES = 64  # values are whole states (MBs): more queued than this are dropped, counted
 MAX_CANDIDATES = 8  # entry lengths probed per lookup, longest first
 LOADER_THREADS = 4
+MARK_TOKENS = 64  # a marker every this many tokens of an entry names it, so a prompt sharing part of it finds it
 MAC_BYTES = 32
 
 
@@ -180,17 +183,36 @@ class SharedTier:
         t0 = time.monotonic()
         with self._lock:
             self._c.num_lookups += 1
+        base = self._ns_prefix(ns)
+        marks = range(MARK_TOKENS, len(prompt) + 1, MARK_TOKENS)
+
+        def probe() -> list[Any]:  # one round trip: the length index and every marker on the prompt's path
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.zrevrangebyscore(base + ":len", len(prompt), min_tokens, start=0, num=MAX_CANDIDATES)
+            for k in marks:
+                pipe.get(f"{base}:p:{_token_digest(prompt[:k])}")
+            return pipe.execute()
+
+        got = self._link.call("lookup", probe, None)
+        if got is None:
+            return LoadFailed("Redis unavailable")
+        # (tokens it serves at least, key, the token ids it must hold; None = its own, extending the prompt)
+        found: list[tuple[int, str, tuple[int, ...] | None]] = [
+            (n, self.key(ns, prompt[:n]), prompt[:n]) for n in sorted({int(x) for x in got[0]}, reverse=True)]
+        deepest = max(((k, m) for k, m in zip(marks, got[1:], strict=True) if m), default=None)
+        if (deepest is not None and deepest[0] + MARK_TOKENS > min_tokens and deepest[1].startswith(base.encode())
+                and (not found or deepest[0] > found[0][0])):
+            found.insert(0, (deepest[0], deepest[1].decode(), None))
         failed = LoadFailed("no usable entry")
-        lengths: Any = self._link.call("lookup", lambda: self._redis.zrevrangebyscore(
-            self._ns_prefix(ns) + ":len", len(prompt), min_tokens, start=0, num=MAX_CANDIDATES), None)
-        for length in sorted({int(x) for x in lengths or ()}, reverse=True):
-            key = self.key(ns, prompt[:length])
+        for _, key, token_ids in found:
             value: Any = self._link.call("read", lambda k=key: self._redis.get(k), None)  # type: ignore[misc]
             if value is None:
-                continue  # evicted by Redis's LRU (its length is still indexed), or Redis failed
+                continue  # evicted by Redis's LRU (its length or marker is still there), or Redis failed
             with self._lock:
                 self._c.num_hits += 1
-            result = self._verify(ns, key, prompt[:length], value)
+            result = self._verify(ns, key, token_ids, value)
+            if isinstance(result, Loaded) and _lcp(result.token_ids, prompt) < min_tokens:
+                result = LoadFailed("the marked entry shares too little of the prompt")
             if isinstance(result, LoadFailed):
                 with self._lock:
                     self._c.num_load_failures += 1
@@ -204,8 +226,9 @@ class SharedTier:
             return Loaded(result.token_ids, result.state, seconds)
         return failed
 
-    def _verify(self, ns: Namespace, key: str, token_ids: tuple[int, ...], value: bytes) -> Loaded | LoadFailed:
-        """The decoded state of `value` read under `key`, or LoadFailed (the value is then deleted)."""
+    def _verify(self, ns: Namespace, key: str, token_ids: tuple[int, ...] | None, value: bytes) -> Loaded | LoadFailed:
+        """The decoded state of `value` read under `key` (holding `token_ids`, or None: whatever tokens
+        `key` names), or LoadFailed (the value is then deleted)."""
         body, mac = memoryview(value)[:-MAC_BYTES], value[-MAC_BYTES:]
         dns = disk_ns(ns)
         try:
@@ -214,14 +237,16 @@ class SharedTier:
             header, payload = read_file(body)
             if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
                 return self._drop(key, "another model, dtype, kernel or runtime", stale=True)
-            if (header.model_digest, header.tenant_digest, header.salt_digest) != (dns.model_id, dns.tenant_id, dns.cache_salt) or header.token_ids != token_ids:
+            digests = (header.model_digest, header.tenant_digest, header.salt_digest)
+            if digests != (dns.model_id, dns.tenant_id, dns.cache_salt) or key != self.key(ns, header.token_ids) or (
+                    token_ids is not None and header.token_ids != token_ids):
                 raise CorruptFile("the value does not hold the entry it was found under")
-            state = self._codec.decode(header.meta, payload, len(token_ids))
+            state = self._codec.decode(header.meta, payload, len(header.token_ids))
         except (CorruptFile, ValueError, RuntimeError) as e:
             with self._lock:
                 self._c.num_corrupt_files += 1
             return self._drop(key, str(e), stale=False)
-        return Loaded(token_ids, state, 0.0)
+        return Loaded(header.token_ids, state, 0.0)
 
     def _drop(self, key: str, reason: str, *, stale: bool) -> LoadFailed:
         if stale:
@@ -265,6 +290,8 @@ class SharedTier:
         def send() -> bool:
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(key, value)
+            for k in range(MARK_TOKENS, len(token_ids) + 1, MARK_TOKENS):  # markers: this entry extends that prefix
+                pipe.set(f"{self._ns_prefix(ns)}:p:{_token_digest(token_ids[:k])}", key)
             pipe.zadd(self._ns_prefix(ns) + ":len", {str(len(token_ids)): len(token_ids)})
             pipe.execute()
             return True
@@ -281,10 +308,10 @@ class SharedTier:
             self._link.call("delete", lambda: self._redis.delete(key), None)
 
     def _delete(self, keys: list[bytes]) -> tuple[int, int]:
-        """(values deleted, their bytes) of `keys`; length indexes are deleted too, not counted."""
+        """(values deleted, their bytes) of `keys`; length indexes and markers are deleted too, not counted."""
         if not keys:
             return 0, 0
-        values = [k for k in keys if not k.endswith(b":len")]
+        values = [k for k in keys if not k.endswith(b":len") and b":p:" not in k]
         pipe = self._redis.pipeline(transaction=False)
         for k in values:
             pipe.strlen(k)
@@ -305,6 +332,10 @@ class SharedTier:
 
 def _token_digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array("i", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

@@ -83,11 +83,25 @@ def test_round_trip_longest_prefix_and_isolation(server: RedisServer, client: re
     for other in (NS_B, NS_A_SALT, NS_A_OTHER_MODEL):  # another tenant, salt or model
         assert isinstance(get(b, other, SYS + (1, 2, 3)), LoadFailed)
     keys = sorted(k.decode() for k in client.keys("*"))
-    assert len(keys) == 3 and all("tenant-a" not in k for k in keys)  # 2 values + 1 length index, digests only
+    # 2 values, 1 length index, 1 marker (at 64 tokens, naming the later entry): digests only
+    assert len(keys) == 4 and all("tenant-a" not in k for k in keys)
     sa, sb = a.stats(), b.stats()
     assert (sa["redis_writes"], sb["redis_present"], sb["redis_writes"]) == (2, 1, 0)
-    assert (sb["redis_lookups"], sb["redis_hits"], sb["redis_loads"]) == (6, 2, 2)
+    # the 68-token ask read the marked 67-token entry and found it too short: a hit, not a load
+    assert (sb["redis_lookups"], sb["redis_hits"], sb["redis_loads"], sb["redis_load_failures"]) == (6, 3, 2, 1)
     assert sb["redis_load_seconds_total"] > 0 and sb["redis_up"] == 1
+    a.close()
+    b.close()
+
+
+def test_a_marker_finds_an_entry_longer_than_the_shared_prefix(server: RedisServer, client: redis.Redis) -> None:
+    a, b = tier(server), tier(server)
+    long_sys = SYS + tuple(range(500, 564))  # 128 tokens: markers at 64 and 128
+    put(a, NS_A, long_sys + (1, 2, 3), b"u" * 300)  # replica 1 saw one user of this system prompt
+    got = get(b, NS_A, long_sys + (7, 8), min_tokens=100)  # another user's prompt on replica 2
+    assert isinstance(got, Loaded) and got.token_ids == long_sys + (1, 2, 3)  # RAM will serve its 128 tokens
+    assert isinstance(get(b, NS_A, SYS + (7,) * 70, min_tokens=65), LoadFailed)  # shares only 64 < 65
+    assert isinstance(get(b, NS_B, long_sys + (7, 8)), LoadFailed)  # markers live in the namespace
     a.close()
     b.close()
 
@@ -162,7 +176,7 @@ def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: red
     assert isinstance(get(t, NS_A_SALT, SYS), LoadFailed) and isinstance(get(t, NS_A, SYS), Loaded)
     assert t.flush(FlushScope("tenant-a")).num_entries == 2  # unsalted, both models
     assert isinstance(get(t, NS_A_OTHER_MODEL, SYS), LoadFailed) and isinstance(get(t, NS_B, SYS), Loaded)
-    assert len(client.keys("*")) == 2  # bob's value and its length index
+    assert len(client.keys("*")) == 3  # bob's value, its length index and its marker
     assert t.flush(FlushScope(None, None)).num_entries == 1 and client.keys("*") == []
     assert t.stats()["redis_flushed"] == 4
     t.close()
