@@ -200,9 +200,10 @@ class SharedTier:
         found: list[tuple[int, str, tuple[int, ...] | None]] = [
             (n, self.key(ns, prompt[:n]), prompt[:n]) for n in sorted({int(x) for x in got[0]}, reverse=True)]
         deepest = max(((k, m) for k, m in zip(marks, got[1:], strict=True) if m), default=None)
-        if (deepest is not None and deepest[0] + MARK_TOKENS > min_tokens and deepest[1].startswith(base.encode())
-                and (not found or deepest[0] > found[0][0])):
-            found.insert(0, (deepest[0], deepest[1].decode(), None))
+        if deepest is not None and deepest[0] + MARK_TOKENS > min_tokens and deepest[1].startswith(base.encode()):
+            # the lengths are the namespace's, most of them other prompts' (their GET finds nothing)
+            found.append((deepest[0], deepest[1].decode(), None))
+            found.sort(key=lambda c: c[0], reverse=True)  # stable: a length beats a marker at equal depth
         failed = LoadFailed("no usable entry")
         for _, key, token_ids in found:
             value: Any = self._link.call("read", lambda k=key: self._redis.get(k), None)  # type: ignore[misc]

@@ -98,6 +98,7 @@ def test_a_marker_finds_an_entry_longer_than_the_shared_prefix(server: RedisServ
     a, b = tier(server), tier(server)
     long_sys = SYS + tuple(range(500, 564))  # 128 tokens: markers at 64 and 128
     put(a, NS_A, long_sys + (1, 2, 3), b"u" * 300)  # replica 1 saw one user of this system prompt
+    put(a, NS_A, tuple(range(900, 1030)), b"o" * 10)  # another prompt: its length (130) is indexed too
     got = get(b, NS_A, long_sys + (7, 8), min_tokens=100)  # another user's prompt on replica 2
     assert isinstance(got, Loaded) and got.token_ids == long_sys + (1, 2, 3)  # RAM will serve its 128 tokens
     assert isinstance(get(b, NS_A, SYS + (7,) * 70, min_tokens=65), LoadFailed)  # shares only 64 < 65
