@@ -1,7 +1,8 @@
 """`prefixserve bench cache`, the shared-tier part: TTFT on replica 2 for a prompt replica 1 computed
-(served from Redis) against a cold prefill and a local RAM hit, at ~600 and ~2,000 tokens.
+(served from Redis) against a cold prefill and a local RAM hit, and on replica 3 for another user of
+the same system prompt (found by its markers), at ~600 and ~2,000 tokens.
 
-Two in-process engines ("replicas", each with its own RAM cache, sharing the loaded model) and one
+Three in-process engines ("replicas", each with its own RAM cache, sharing the loaded model) and one
 Redis: $PREFIXSERVE_BENCH_REDIS_URL, else a `redis-server` started here on a free port. Prints only.
 """
 
@@ -48,7 +49,7 @@ def _bench(m, runner: ModelRunner, system_prompt: Callable[[int, str], str], url
             firsts.setdefault(rid, time.perf_counter())
 
     config = SharedTierConfig(url, b"bench-secret-0123456789", prefix=f"bench{uuid.uuid4().hex[:8]}")
-    tiers = [SharedTier(config, "bench", __version__, SnapshotCodec()) for _ in range(2)]
+    tiers = [SharedTier(config, "bench", __version__, SnapshotCodec()) for _ in range(3)]
     replicas = [EngineCore(runner, m.tokenizer, PrefixCache(CacheConfig(max_bytes=4 << 30)), EngineConfig(), 8192,
                            emit, shared=t) for t in tiers]
     ns = Namespace("bench", "t")
@@ -61,24 +62,33 @@ def _bench(m, runner: ModelRunner, system_prompt: Callable[[int, str], str], url
             core.step()
         return firsts[rid] - t0
 
-    print_fn(f"\n## shared tier (Redis at {url.split('@')[-1]}): TTFT on replica 2 of a prompt replica 1 computed")
-    print_fn("| prompt | cold prefill (replica 1) | shared-tier hit (replica 2) | of which Redis find + GET + "
-             "verify + decode | local RAM hit (replica 2 again) | value bytes |")
-    print_fn("|---|---:|---:|---:|---:|---:|")
+    print_fn(f"\n## shared tier (Redis at {url.split('@')[-1]}): TTFT of a prompt replica 1 computed, on other replicas")
+    print_fn("| prompt | cold prefill (replica 1) | shared-tier hit, same prompt (replica 2) | of which Redis find + GET "
+             "+ verify + decode | shared-tier hit, other user (replica 3) | local RAM hit (replica 2 again) | "
+             "value bytes |")
+    print_fn("|---|---:|---:|---:|---:|---:|---:|")
     for n in (600, 2000):
-        cold, shared, load, ram = [], [], [], []
+        cold, shared, load, other, ram = [], [], [], [], []
+        w0 = tiers[0].stats()
         for _ in range(reps):
-            ids = m.tokenizer.render_chat([{"role": "system", "content": system_prompt(n, uuid.uuid4().hex[:8])},
-                                           {"role": "user", "content": "Which fee applies to account type 3?"}])
+            system = system_prompt(n, uuid.uuid4().hex[:8])
+            ids, ids_b = (m.tokenizer.render_chat([{"role": "system", "content": system},
+                                                   {"role": "user", "content": user}])
+                          for user in ("Which fee applies to account type 3?", "How do I close account 12?"))
             cold.append(ttft(replicas[0], ids))
             tiers[0].wait_idle(60)
             before = tiers[1].stats()["redis_load_seconds_total"]
             shared.append(ttft(replicas[1], ids))
             load.append(tiers[1].stats()["redis_load_seconds_total"] - before)
+            other.append(ttft(replicas[2], ids_b))  # the marker leads to replica 1's entry; the rest is computed
             ram.append(ttft(replicas[1], ids))
-        c, s, lo, r = (statistics.median(x) * 1000 for x in (cold, shared, load, ram))
-        size = tiers[0].stats()["redis_write_bytes"] / max(1.0, tiers[0].stats()["redis_writes"])
-        print_fn(f"| {len(ids)} tokens | {c:,.0f} ms | {s:.1f} ms | {lo:.1f} ms | {r:.2f} ms | ~{size / 1e6:.1f} MB |")
+            for t in tiers:
+                t.wait_idle(60)
+        w1 = tiers[0].stats()  # bytes per value replica 1 wrote at this size
+        size = (w1["redis_write_bytes"] - w0["redis_write_bytes"]) / max(1.0, w1["redis_writes"] - w0["redis_writes"])
+        c, s, lo, o, r = (statistics.median(x) * 1000 for x in (cold, shared, load, other, ram))
+        print_fn(f"| {len(ids)} tokens | {c:,.0f} ms | {s:.1f} ms | {lo:.1f} ms | {o:.1f} ms | {r:.2f} ms | "
+                 f"~{size / 1e6:.1f} MB |")
     tiers[0].flush(FlushScope(None, None))  # the bench's own key prefix only
     for t in tiers:
         t.close()

@@ -123,13 +123,23 @@ def test_replica_two_is_served_from_redis_exactly_and_isolation_holds(cluster: A
         assert complete(srv, key, P1, salt) == (reference[0], 0, n)
     assert metric(r1, "rejected_values") == metric(r2, "rejected_values") == 0
 
+    # replica 1 served one user of a system prompt; replica 2's first, other user finds that entry by
+    # its 64-token markers and is served the shared part from Redis, answering as the cache-less server
+    doc = "Zephyr Bank fees. " + " ".join(f"Account type {i} costs {i + 4} euros a month." for i in range(1, 16))
+    complete(r1, KEY_A, doc + " Which account costs 9 euros?")
+    settle(r1)
+    loads = metric(r2, "loads")
+    text, cached, n = complete(r2, KEY_A, doc + " What does type 2 cost?")
+    assert (text, n) == complete(nocache, KEY_A, doc + " What does type 2 cost?")[::2]
+    assert cached >= 128 and metric(r2, "loads") == loads + 1  # the document is ~165 tokens: markers at 64, 128
+
     # DELETE /v1/cache on replica 1 removes alice's keys from Redis (all her salts), bob's stay
     settle(r1, r2)
     client = redis.Redis.from_url(rs.url)
     alice, bob = (f"prefixserve:{digest('tenant', t)}:*" for t in ("alice", "bob"))
-    alice_values = [k for k in client.scan_iter(match=alice) if not k.endswith(b":len")]
+    alice_values = [k for k in client.scan_iter(match=alice) if not k.endswith(b":len") and b":p:" not in k]
     bob_keys = sorted(client.scan_iter(match=bob))
-    assert len(alice_values) >= 3 and len(bob_keys) >= 4  # unsalted, s, t / unsalted, z (+ length indexes)
+    assert len(alice_values) >= 3 and len(bob_keys) >= 4  # unsalted, s, t / unsalted, z (+ length indexes, markers)
     r = httpx.request("DELETE", r1.openai_url + "/cache", headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["tiers"]["redis"]["deleted_entries"] == len(alice_values)
