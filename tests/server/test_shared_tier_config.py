@@ -3,13 +3,14 @@ never printed."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from prefixserve.config import SharedTierConfig
-from prefixserve.server.run import shared_tier_config
+from prefixserve.server.run import add_serve_args, run_serve, shared_tier_config
 
 URL = "redis://127.0.0.1:6379/0"
 
@@ -38,3 +39,11 @@ def test_flags_resolve_to_a_config(tmp_path: Path) -> None:
 def test_bad_flags_are_configuration_errors(s: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         shared_tier_config(s)
+
+
+def test_serve_refuses_a_redis_url_without_a_secret_before_loading_a_model(capsys: Any, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--cache-redis-url", URL, "--no-ledger", "--data-dir", str(tmp_path)])
+    assert run_serve(args) == 2
+    assert "needs a secret" in capsys.readouterr().err
