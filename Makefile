@@ -5,7 +5,7 @@ STAMP := $(VENV)/.prefixserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench soak lint clean
+.PHONY: install redis-server serve test bench soak lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,7 +20,13 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/prefixserve serve --host $(HOST) --port $(PORT)
 
-test: install
+# The shared cache tier's tests start a real redis-server (tests/helpers/redis_proc.py). Debian's
+# package is the binary the operators run; installed only when missing (CI runs as root).
+redis-server:
+	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
+
+test: install redis-server
 	$(PY) -m pytest -q tests
 
 # The reliability section (tests/reliability, also part of `make test`) with soak-sized counts:

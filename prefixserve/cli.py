@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", choices=["engine", "cache"])
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--only", choices=["shared"], default=None, help="cache: only the shared-tier (Redis) part")
 
     from prefixserve.ledger.cli import add_usage_args, run_usage
 

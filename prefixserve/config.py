@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bf16", "fp32")
 DECODE_KERNELS = ("auto", "dense", "int4")
@@ -37,10 +37,31 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedTierConfig:
+    """The shared cache tier on Redis (docs/cache.md, "Shared tier"); its bound is Redis's maxmemory."""
+
+    url: str  # redis://[:password@]host:port/db, rediss:// for TLS, unix:///path
+    secret: bytes = field(default=b"", repr=False)  # the per-deployment HMAC key, the same on every replica
+    prefix: str = "prefixserve"  # first component of every key
+    timeout_s: float = 1.0  # socket connect and per-read timeout: a slow Redis is a miss, not a stall
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("the Redis URL must start with redis://, rediss:// or unix://")
+        if len(self.secret) < 16:
+            raise ValueError("the shared cache tier needs a secret of at least 16 bytes (--cache-redis-key)")
+        if not self.prefix or any(c in self.prefix for c in "*?[]:"):
+            raise ValueError("the Redis key prefix must be non-empty, without glob characters or ':'")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     max_bytes: int = 2 << 30  # one global budget across all namespaces; 0 disables caching
     disk_dir: str | None = None  # the disk tier's directory (docs/cache.md)
     disk_max_bytes: int = 0  # the disk tier's budget; 0 = no disk tier
+    shared: SharedTierConfig | None = None  # the shared tier on Redis; None = none
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:

@@ -9,7 +9,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.what == "cache":
         from prefixserve.benchmarks.cache import bench_cache
 
-        bench_cache(quick=args.quick, num_threads=args.threads)
+        bench_cache(quick=args.quick, num_threads=args.threads, only=getattr(args, "only", None))
         return 0
     from prefixserve.benchmarks.engine import bench_engine
 

@@ -18,21 +18,29 @@ from prefixserve.runner import ModelRunner
 from prefixserve.types import Delta, Namespace, Request, SamplingParams
 
 
-def bench_cache(quick: bool = False, num_threads: int | None = None, print_fn: Callable[[str], object] = print) -> None:
+def bench_cache(quick: bool = False, num_threads: int | None = None, print_fn: Callable[[str], object] = print,
+                only: str | None = None) -> None:
+    """Every part, or with only="shared" just the shared tier's (Redis) TTFT table."""
     if num_threads:
         torch.set_num_threads(num_threads)
-    print_fn("## index: lookup and insert cost")
-    bench_lookup(print_fn)
-    print_fn("\n## in-process TTFT (engine, embedded model, auto dtype)")
-    _bench_ttft(quick, print_fn)
+    if only is None:
+        print_fn("## index: lookup and insert cost")
+        bench_lookup(print_fn)
+        print_fn("\n## in-process TTFT (engine, embedded model, auto dtype)")
+        _bench_ttft(quick, print_fn)
+    from prefixserve.benchmarks.cache_shared import bench_shared
     from prefixserve.benchmarks.cache_tiers import bench_tiers
 
     dtype = torch.bfloat16 if _native_bf16() else torch.float32
     m = load_model(None, dtype)
-    bench_tiers(m, ModelRunner(m.decoder), lambda n, nonce: _system_prompt(m.tokenizer, n, nonce), quick, print_fn)
-    from prefixserve.benchmarks.hybrid import bench_hybrid
+    runner = ModelRunner(m.decoder)
+    if only is None:
+        bench_tiers(m, runner, lambda n, nonce: _system_prompt(m.tokenizer, n, nonce), quick, print_fn)
+    bench_shared(m, runner, lambda n, nonce: _system_prompt(m.tokenizer, n, nonce), quick, print_fn)
+    if only is None:
+        from prefixserve.benchmarks.hybrid import bench_hybrid
 
-    bench_hybrid(quick, print_fn)  # docs/hybrid.md
+        bench_hybrid(quick, print_fn)  # docs/hybrid.md
 
 
 def _system_prompt(tokenizer, num_tokens: int, nonce: str) -> str:

@@ -72,7 +72,7 @@ def read_header(f: BinaryIO, file_size: int) -> FileHeader:
     return header
 
 
-def read_file(data: bytes | bytearray) -> tuple[FileHeader, memoryview]:
+def read_file(data: bytes | bytearray | memoryview) -> tuple[FileHeader, memoryview]:
     """Header and payload of a whole file's bytes, digest checked; the payload is a view of `data`
     (no copy; writable when `data` is a bytearray). Raises CorruptFile."""
     if len(data) < 12 + DIGEST_BYTES:

@@ -58,15 +58,23 @@ def _build_core(
         runner = ModelRunner(loaded.decoder, model_config.num_threads)
         result = self_test(runner)
     (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
-    disk = None
-    if cache_config.disk_max_bytes > 0 and cache_config.max_bytes > 0:
+    disk = shared = None
+    if cache_config.max_bytes > 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
         from prefixserve import __version__
-        from prefixserve.cache.disk import DiskTier
         from prefixserve.runner.codec import SnapshotCodec
 
-        assert cache_config.disk_dir is not None
+        # one fingerprint for every lower tier: model bytes + the runtime's kernel choices (docs/cache.md)
         fingerprint = f"{model_identity(loaded.path)}|{loaded.decoder.kernel_fingerprint()}"
-        disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__, SnapshotCodec())
+        if cache_config.disk_max_bytes > 0:
+            from prefixserve.cache.disk import DiskTier
+
+            assert cache_config.disk_dir is not None
+            disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__,
+                            SnapshotCodec())
+        if cache_config.shared is not None:
+            from prefixserve.cache.shared import SharedTier
+
+            shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec())
     max_len = loaded.arch.max_position
     if model_config.max_model_len is not None:
         max_len = min(max_len, model_config.max_model_len)
@@ -79,6 +87,7 @@ def _build_core(
         emit=lambda rid, d: None,
         exact_reuse=result.ok,
         disk=disk,
+        shared=shared,
     )
     model_id = model_config.served_model_name or loaded.name
     log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,

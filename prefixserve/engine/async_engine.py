@@ -229,6 +229,7 @@ class AsyncEngine:
             "cache_ram_evictions": float(st.num_evictions),
             "cache_ram_flushed": float(st.num_flushed),
             **({f"cache_{k}": v for k, v in self.core.disk.stats().items()} if self.core.disk is not None else {}),
+            **({f"cache_{k}": v for k, v in self.core.shared.stats().items()} if self.core.shared is not None else {}),
         }
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -243,6 +244,8 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, 10.0)
         if self.core.disk is not None:  # land the queued write-through files before exiting
             await asyncio.to_thread(self.core.disk.close, 30.0)
+        if self.core.shared is not None:  # send the queued values (a dead Redis drops them at once)
+            await asyncio.to_thread(self.core.shared.close, 30.0)
 
     # ---- engine thread ------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
+from prefixserve.cache.shared import SharedTier
 from prefixserve.config import EngineConfig
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.disk_loads import DiskLoads
@@ -54,6 +55,7 @@ class EngineCore:
         emit: Emit,
         exact_reuse: bool = True,
         disk: DiskTier | None = None,
+        shared: SharedTier | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -72,7 +74,8 @@ class EngineCore:
         self.counters = EngineCounters()
         self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
         self.disk = disk  # the disk tier (docs/cache.md), None when off
-        self.loads = DiskLoads(disk, cache, self.pieces)  # sessions waiting on a disk load
+        self.shared = shared  # the shared tier on Redis (docs/cache.md), None when off
+        self.loads = DiskLoads(disk, cache, self.pieces, shared)  # sessions waiting on a lower tier's load
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -120,6 +123,9 @@ class EngineCore:
         if self.disk is not None:
             disk = self.disk.flush(scope)
             tiers.append(TierFlush("disk", disk.num_entries, disk.num_bytes))
+        if self.shared is not None:
+            shared = self.shared.flush(scope)
+            tiers.append(TierFlush("redis", shared.num_entries, shared.num_bytes))
         return FlushReport(tuple(tiers))
 
     def has_work(self) -> bool:
@@ -308,11 +314,13 @@ class EngineCore:
         self._store(s.request.namespace, tuple(s.request.prompt_ids[:num_tokens]), s.state)
 
     def _store(self, ns: Namespace, key: tuple[int, ...], state: SessionState) -> None:
-        """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk)."""
+        """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk and Redis)."""
         # piece edges at the cached entries on this key's path: their pieces are shared, not copied
         snap = self.pieces.snapshot(state, key, ns, self.cache.entry_lengths(ns, key))
-        if self.cache.insert(ns, key, snap).stored and self.disk is not None and snap.truncatable:  # no hybrid files yet
-            self.disk.offer(ns, key, snap)  # write-through, on the tier's writer thread
+        if self.cache.insert(ns, key, snap).stored and snap.truncatable:  # no hybrid files or values yet
+            for tier in (self.disk, self.shared):  # write-through, on each tier's writer thread
+                if tier is not None:
+                    tier.offer(ns, key, snap)
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 

@@ -1,8 +1,11 @@
-"""Sessions parked while the disk tier reads an entry for them (docs/cache.md, "Load").
+"""Sessions parked while a lower tier (disk, then the shared tier on Redis) reads an entry for them
+(docs/cache.md, "Load").
 
-Engine-thread only. The file is read, verified and decoded on the tier's loader thread, so a load
-never holds up other sessions' steps; once it lands, the entry goes into RAM (sharing pieces like
-any insert) and the session goes back to the front of the queue, where its RAM lookup now hits.
+Engine-thread only. The entry is found (Redis), read, verified and decoded on the tier's loader
+thread, so a load never holds up other sessions' steps; once it lands, the entry goes into RAM
+(sharing pieces like any insert) and the session goes back to the front of the queue, where its RAM
+lookup now hits. Each tier is asked once per session, in order; after a disk load the shared tier
+is still asked for a longer entry.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from prefixserve.cache import PrefixCache
 from prefixserve.cache.disk import DiskTier
+from prefixserve.cache.shared import SharedTier
 from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.engine.session import Session
 from prefixserve.runner.pieces import PieceStore
@@ -19,8 +23,10 @@ MIN_DISK_GAIN_TOKENS = 32  # a disk entry must serve this many tokens more than 
 
 
 class DiskLoads:
-    def __init__(self, disk: DiskTier | None, cache: PrefixCache, pieces: PieceStore) -> None:
+    def __init__(self, disk: DiskTier | None, cache: PrefixCache, pieces: PieceStore,
+                 shared: SharedTier | None = None) -> None:
         self.disk = disk
+        self.shared = shared
         self._cache = cache
         self._pieces = pieces
         self._parked: list[tuple[Session, Future[Loaded | LoadFailed]]] = []
@@ -29,17 +35,26 @@ class DiskLoads:
         return bool(self._parked)
 
     def park(self, s: Session) -> bool:
-        """Start a load and park `s` if disk serves >= MIN_DISK_GAIN_TOKENS more of its prompt than
-        RAM; asks the disk once per session. The caller checked that reuse is allowed at all."""
-        if self.disk is None or s.disk_checked or self._cache.config.max_bytes == 0:
+        """Start a load and park `s` if a lower tier serves >= MIN_DISK_GAIN_TOKENS more of its prompt
+        than RAM: disk first (a local lookup), then the shared tier (looked up on its loader thread;
+        skipped at once while Redis is down). The caller checked that reuse is allowed at all."""
+        if self._cache.config.max_bytes == 0:
             return False
-        s.disk_checked = True
         ns, ids = s.request.namespace, s.request.prompt_ids
-        hit = self.disk.lookup(ns, ids)
-        if hit is None or hit.num_cached_tokens < self._cache.best_len(ns, ids) + MIN_DISK_GAIN_TOKENS:
-            return False
-        self._parked.append((s, self.disk.load(hit)))
-        return True
+        need = self._cache.best_len(ns, ids) + MIN_DISK_GAIN_TOKENS
+        if s.num_tiers_asked == 0:
+            s.num_tiers_asked = 1
+            hit = None if self.disk is None else self.disk.lookup(ns, ids)
+            if hit is not None and self.disk is not None and hit.num_cached_tokens >= need:
+                self._parked.append((s, self.disk.load(hit)))
+                return True
+        if s.num_tiers_asked == 1:
+            s.num_tiers_asked = 2
+            found = None if self.shared is None else self.shared.find(ns, ids, need)
+            if found is not None:
+                self._parked.append((s, found))
+                return True
+        return False
 
     def ready(self, block: bool) -> list[Session]:
         """Sessions whose load finished, in parking order, their entries now in RAM (a failed load,

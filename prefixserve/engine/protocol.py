@@ -39,7 +39,7 @@ class EngineHealth:
 class TierFlush:
     """What one cache tier forgot."""
 
-    tier: str  # "ram", "disk"
+    tier: str  # "ram", "disk", "redis"
     num_entries: int
     num_bytes: int
 

@@ -41,7 +41,7 @@ class Session:
     pending_restore: Any = None  # a pinned cache Entry to copy from before the next forward
     to_insert: list[int] = field(default_factory=list)  # lengths to snapshot into the cache after the first token
     output_ids: list[int] = field(default_factory=list)
-    disk_checked: bool = False  # the disk tier was asked once already
+    num_tiers_asked: int = 0  # lower tiers (disk, then shared) asked so far, each once (engine/disk_loads.py)
     cacheable: bool = True  # False once its namespace was flushed: it must not re-seed the cache
     finish_reason: FinishReason | None = None
     reserved_bytes: int = 0  # KV bytes admission reserved for it (EngineCore.session_bytes)

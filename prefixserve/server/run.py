@@ -24,6 +24,7 @@ from prefixserve.config import (
     EngineConfig,
     ModelConfig,
     ServerConfig,
+    SharedTierConfig,
     default_data_dir,
 )
 from prefixserve.ledger import Ledger, Pricing
@@ -62,6 +63,9 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
     "cache_dir": ("PREFIXSERVE_CACHE_DIR", str, None),  # None = <data dir>/cache
     "cache_disk_bytes": ("PREFIXSERVE_CACHE_DISK_BYTES", parse_bytes, 0),
+    "cache_redis_url": ("PREFIXSERVE_CACHE_REDIS_URL", str, None),
+    "cache_redis_key": ("PREFIXSERVE_CACHE_REDIS_KEY", str, None),
+    "cache_redis_key_file": ("PREFIXSERVE_CACHE_REDIS_KEY_FILE", str, None),
     "max_model_len": ("PREFIXSERVE_MAX_MODEL_LEN", int, None),
     "dtype": ("PREFIXSERVE_DTYPE", str, "auto"),
     "device": ("PREFIXSERVE_DEVICE", str, "auto"),
@@ -111,6 +115,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="the disk cache tier's directory (PREFIXSERVE_CACHE_DIR; default <data-dir>/cache)")
     a("--cache-disk-bytes", type=parse_bytes, metavar="N",
       help="disk cache tier budget, e.g. 20G; 0 (the default) = no disk tier (PREFIXSERVE_CACHE_DISK_BYTES)")
+    a("--cache-redis-url", metavar="URL",
+      help="shared cache tier on Redis, redis://[:password@]host:port/db, the same on every replica; bound it with "
+           "Redis's maxmemory + allkeys-lru (PREFIXSERVE_CACHE_REDIS_URL; default: none)")
+    a("--cache-redis-key", metavar="SECRET",
+      help="per-deployment secret (>= 16 bytes) authenticating every shared-tier value (HMAC-SHA256); prefer "
+           "--cache-redis-key-file (PREFIXSERVE_CACHE_REDIS_KEY)")
+    a("--cache-redis-key-file", metavar="FILE",
+      help="file holding that secret, surrounding whitespace ignored (PREFIXSERVE_CACHE_REDIS_KEY_FILE)")
     a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
@@ -169,7 +181,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         data_dir = Path(s["data_dir"] or default_data_dir(env))
         cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),
-                                   disk_max_bytes=s["cache_disk_bytes"])
+                                   disk_max_bytes=s["cache_disk_bytes"], shared=shared_tier_config(s))
         engine_config = EngineConfig(
             prefill_chunk_tokens=s["prefill_chunk_tokens"],
             max_batch_tokens=s["max_batch_tokens"],
@@ -234,6 +246,22 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return 0 if server.started else 1
+
+
+def shared_tier_config(s: dict[str, Any]) -> SharedTierConfig | None:
+    """The shared tier's config from the resolved settings, or None without a URL. Raises ValueError
+    for a URL without a secret (or two secrets, or a secret without a URL); OSError for an unreadable file."""
+    url, key, key_file = s["cache_redis_url"], s["cache_redis_key"], s["cache_redis_key_file"]
+    if key and key_file:
+        raise ValueError("give either --cache-redis-key or --cache-redis-key-file, not both")
+    if not url:
+        if key or key_file:
+            raise ValueError("--cache-redis-key needs --cache-redis-url")
+        return None
+    if not key and not key_file:
+        raise ValueError("--cache-redis-url needs a secret: --cache-redis-key or --cache-redis-key-file")
+    secret = Path(key_file).read_bytes().strip() if key_file else key.encode()
+    return SharedTierConfig(url=url, secret=secret)
 
 
 def open_ledger(server_config: ServerConfig, prices: Sequence[str] = ()) -> Ledger:

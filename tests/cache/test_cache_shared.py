@@ -1,0 +1,195 @@
+"""The shared (Redis) tier against a real redis-server, with a fake codec (no model): round trip,
+isolation, HMAC rejection of tampered / foreign values, another fingerprint never served, Redis
+down → miss and counted, back → hit, flush by namespace, with exact counts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from cache_fakes import NS_A, NS_A_OTHER_MODEL, NS_A_SALT, NS_B
+
+from prefixserve.cache.shared import MAC_BYTES, SharedTier
+from prefixserve.cache.tier import Loaded, LoadFailed
+from prefixserve.config import SharedTierConfig
+from prefixserve.types import FlushScope
+from tests.helpers.redis_proc import RedisServer
+
+SYS = tuple(range(100, 164))  # 64 tokens
+SECRET = b"deployment-secret-0123456789"
+
+
+@dataclass(frozen=True)
+class Blob:
+    data: bytes
+    has_logits: bool = True
+
+
+class BlobCodec:
+    def encode(self, state: Blob) -> tuple[dict[str, Any], bytes]:
+        return {"len": len(state.data)}, state.data
+
+    def decode(self, meta: dict[str, Any], payload: memoryview, num_tokens: int) -> Blob:
+        if meta["len"] != len(payload):
+            raise ValueError("length")
+        return Blob(bytes(payload))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as r:
+        yield r
+
+
+@pytest.fixture
+def client(server: RedisServer) -> Iterator[redis.Redis]:
+    if server.proc is None:
+        server.start()
+    c = redis.Redis.from_url(server.url)
+    c.flushall()
+    yield c
+    c.close()
+
+
+def tier(server: RedisServer, secret: bytes = SECRET, fingerprint: str = "fp-1") -> SharedTier:
+    return SharedTier(SharedTierConfig(server.url, secret, timeout_s=0.5), fingerprint, "0.1.0", BlobCodec())
+
+
+def put(t: SharedTier, ns: Any, key: tuple[int, ...], data: bytes) -> None:
+    assert t.offer(ns, key, Blob(data))
+    assert t.wait_idle(10)
+    t.check_integrity()
+
+
+def get(t: SharedTier, ns: Any, prompt: tuple[int, ...], min_tokens: int = 1) -> Loaded | LoadFailed | None:
+    fut = t.find(ns, prompt, min_tokens)
+    return None if fut is None else fut.result(10)
+
+
+def test_round_trip_longest_prefix_and_isolation(server: RedisServer, client: redis.Redis) -> None:
+    a, b = tier(server), tier(server)  # two replicas
+    put(a, NS_A, SYS, b"s" * 1000)
+    put(a, NS_A, SYS + (1, 2, 3), b"u" * 500)
+    put(b, NS_A, SYS, b"s" * 1000)  # already there: not sent again
+    got = get(b, NS_A, SYS + (1, 2, 3, 4))
+    assert isinstance(got, Loaded) and got.token_ids == SYS + (1, 2, 3) and got.state == Blob(b"u" * 500)
+    got = get(b, NS_A, SYS + (1, 9))  # only the system prompt's entry is a prefix of this one
+    assert isinstance(got, Loaded) and got.token_ids == SYS and got.state == Blob(b"s" * 1000)
+    assert isinstance(get(b, NS_A, SYS + (1, 2, 3, 4), min_tokens=68), LoadFailed)  # none serves 68
+    for other in (NS_B, NS_A_SALT, NS_A_OTHER_MODEL):  # another tenant, salt or model
+        assert isinstance(get(b, other, SYS + (1, 2, 3)), LoadFailed)
+    keys = sorted(k.decode() for k in client.keys("*"))
+    # 2 values, 1 length index, 1 marker (at 64 tokens, naming the later entry): digests only
+    assert len(keys) == 4 and all("tenant-a" not in k for k in keys)
+    sa, sb = a.stats(), b.stats()
+    assert (sa["redis_writes"], sb["redis_present"], sb["redis_writes"]) == (2, 1, 0)
+    # the 68-token ask read the marked 67-token entry and found it too short: a hit, not a load
+    assert (sb["redis_lookups"], sb["redis_hits"], sb["redis_loads"], sb["redis_load_failures"]) == (6, 3, 2, 1)
+    assert sb["redis_load_seconds_total"] > 0 and sb["redis_up"] == 1
+    a.close()
+    b.close()
+
+
+def test_a_marker_finds_an_entry_longer_than_the_shared_prefix(server: RedisServer, client: redis.Redis) -> None:
+    a, b = tier(server), tier(server)
+    long_sys = SYS + tuple(range(500, 564))  # 128 tokens: markers at 64 and 128
+    put(a, NS_A, long_sys + (1, 2, 3), b"u" * 300)  # replica 1 saw one user of this system prompt
+    put(a, NS_A, tuple(range(900, 1030)), b"o" * 10)  # another prompt: its length (130) is indexed too
+    got = get(b, NS_A, long_sys + (7, 8), min_tokens=100)  # another user's prompt on replica 2
+    assert isinstance(got, Loaded) and got.token_ids == long_sys + (1, 2, 3)  # RAM will serve its 128 tokens
+    assert isinstance(get(b, NS_A, SYS + (7,) * 70, min_tokens=65), LoadFailed)  # shares only 64 < 65
+    assert isinstance(get(b, NS_B, long_sys + (7, 8)), LoadFailed)  # markers live in the namespace
+    a.close()
+    b.close()
+
+
+def test_tampered_value_is_dropped_and_counted(server: RedisServer, client: redis.Redis) -> None:
+    t = tier(server)
+    put(t, NS_A, SYS, b"x" * 4000)
+    key = t.key(NS_A, SYS)
+    raw = bytearray(client.get(key))
+    raw[-MAC_BYTES - 100] ^= 0x01  # one payload bit
+    client.set(key, bytes(raw))
+    got = get(t, NS_A, SYS + (1,))
+    assert isinstance(got, LoadFailed) and "HMAC" in got.reason
+    assert client.exists(key) == 0  # dropped
+    s = t.stats()
+    assert (s["redis_rejected_values"], s["redis_load_failures"], s["redis_loads"]) == (1, 1, 0)
+    t.close()
+
+
+def test_another_secret_or_fingerprint_is_never_served(server: RedisServer, client: redis.Redis) -> None:
+    foreign = tier(server, secret=b"another-deployment-secret!!")
+    put(foreign, NS_A, SYS, b"f" * 100)  # the same key, signed under another secret
+    t = tier(server)
+    got = get(t, NS_A, SYS + (1,))
+    assert isinstance(got, LoadFailed) and "HMAC" in got.reason
+    assert t.stats()["redis_rejected_values"] == 1
+
+    other_dtype = tier(server, fingerprint="fp-2")  # same secret, another model bytes / dtype / kernel
+    put(other_dtype, NS_A, SYS, b"d" * 100)
+    got = get(t, NS_A, SYS + (1,))
+    assert isinstance(got, LoadFailed) and t.stats()["redis_stale_values"] == 1
+    assert client.exists(t.key(NS_A, SYS)) == 0
+
+    # a value moved to another key (another tenant's) fails its MAC: the key is signed too
+    put(t, NS_A, SYS, b"m" * 100)
+    client.set(t.key(NS_B, SYS), client.get(t.key(NS_A, SYS)))
+    client.zadd(t.key(NS_B, SYS).rsplit(":", 1)[0] + ":len", {"64": 64})
+    assert isinstance(get(t, NS_B, SYS + (1,)), LoadFailed) and t.stats()["redis_rejected_values"] == 2
+    for x in (foreign, other_dtype, t):
+        x.close()
+
+
+def test_redis_down_is_a_miss_counted_and_back_is_a_hit(server: RedisServer, client: redis.Redis) -> None:
+    t = tier(server)
+    put(t, NS_A, SYS, b"x" * 100)
+    server.kill()
+    t0 = time.monotonic()
+    assert isinstance(get(t, NS_A, SYS + (1,)), LoadFailed)  # connection refused: a miss
+    assert get(t, NS_A, SYS + (1,)) is None  # in back-off: not even tried
+    assert not t.offer(NS_A, SYS + (5,), Blob(b"y"))  # writes are dropped, never queued
+    assert t.flush(FlushScope("tenant-a")).num_entries == 0  # nothing reachable to delete
+    assert time.monotonic() - t0 < 2.0
+    s = t.stats()
+    assert s["redis_up"] == 0 and s["redis_errors"] >= 1 and s["redis_dropped_writes"] == 1
+    server.start()  # an empty Redis (no persistence): the tier is used again after its back-off
+    deadline = time.monotonic() + 10
+    while not t.offer(NS_A, SYS, Blob(b"x" * 100)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert t.wait_idle(10)
+    got = get(t, NS_A, SYS + (1,))
+    assert isinstance(got, Loaded) and got.state == Blob(b"x" * 100) and t.stats()["redis_up"] == 1
+    t.close()
+
+
+def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: redis.Redis) -> None:
+    t = tier(server)
+    for ns in (NS_A, NS_A_SALT, NS_A_OTHER_MODEL, NS_B):
+        put(t, ns, SYS, b"z" * 100)
+    r = t.flush(FlushScope("tenant-a", "salt-1"))
+    assert r.num_entries == 1 and r.num_bytes == len(client.get(t.key(NS_A, SYS)))
+    assert isinstance(get(t, NS_A_SALT, SYS), LoadFailed) and isinstance(get(t, NS_A, SYS), Loaded)
+    assert t.flush(FlushScope("tenant-a")).num_entries == 2  # unsalted, both models
+    assert isinstance(get(t, NS_A_OTHER_MODEL, SYS), LoadFailed) and isinstance(get(t, NS_B, SYS), Loaded)
+    assert len(client.keys("*")) == 3  # bob's value, its length index and its marker
+    assert t.flush(FlushScope(None, None)).num_entries == 1 and client.keys("*") == []
+    assert t.stats()["redis_flushed"] == 4
+    t.close()
+
+
+def test_a_full_redis_drops_the_write_and_stays_up() -> None:
+    with RedisServer(maxmemory="2mb", policy="noeviction") as full:
+        t = tier(full)
+        put(t, NS_A, SYS, b"x" * (4 << 20))  # over maxmemory: Redis answers OOM
+        s = t.stats()
+        assert (s["redis_writes"], s["redis_dropped_writes"], s["redis_errors"], s["redis_up"]) == (0, 1, 1, 1)
+        assert isinstance(get(t, NS_A, SYS), LoadFailed)  # a miss, and Redis is still used
+        put(t, NS_A, SYS, b"y" * 100)
+        assert isinstance(get(t, NS_A, SYS), Loaded) and t.stats()["redis_writes"] == 1
+        t.close()
