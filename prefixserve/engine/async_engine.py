@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import queue
 import threading
@@ -110,17 +111,19 @@ class AsyncEngine:
                 raise InvalidRequest(f"request id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._submit("add", request)
-        finished = False
+        finished = False  # every choice finished, or the request failed
+        num_left = request.num_choices
         try:
             while True:
                 delta = await q.get()
                 if delta.finish_reason is not None:
-                    finished = True
+                    num_left -= 1
+                    finished = num_left == 0 or delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
                 yield delta
                 if finished:
                     return
         finally:
-            if not finished:
+            if num_left > 0:  # the client went away, or one choice failed: stop the others
                 self._submit("abort", rid)
             with self._lock:
                 self._streams.pop(rid, None)
@@ -147,7 +150,16 @@ class AsyncEngine:
             num_running=self.core.num_running(),
             num_waiting=self.core.num_waiting(),
             decode_kernel=self.core.runner.decoder.decode_kernel,
+            fingerprint=self.fingerprint(),
         )
+
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: a digest of everything that decides the bits of an output here (the
+        model, its dtype, the decode kernel, the self-test's verdict and row padding)."""
+        d = self.core.runner.decoder
+        parts = (self.model_id, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
+                 str(self.core.exact_reuse), self._selftest_detail)
+        return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:
         st = self.core.cache.stats()

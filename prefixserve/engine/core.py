@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.config import EngineConfig
 from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import TokenizerLike
 from prefixserve.engine.session import Phase, Session
-from prefixserve.runner import ModelRunner, StepItem, make_generator, sample
-from prefixserve.types import Delta, FinishReason, Request
+from prefixserve.runner import ModelRunner, StepItem, adjust_logits, make_generator, sample, token_logprob
+from prefixserve.types import Delta, FinishReason, InvalidRequest, Request, TokenLogprob
 
 log = logging.getLogger("prefixserve.engine")
 
@@ -58,7 +59,8 @@ class EngineCore:
         self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
-        self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
+        self._pending: dict[tuple[str, int], int] = {}  # Session.key -> sampled token not yet fed to the model
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.counters = EngineCounters()
 
     # ---- public -------------------------------------------------------------------------------
@@ -66,24 +68,37 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a validated request (its prompt fits: len(prompt) < max_model_len)."""
         sp = request.sampling
-        self.waiting.append(Session(
-            request=request,
-            detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
-            generator=make_generator(sp.seed),
-        ))
+        s = Session(request=request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
+                    generator=make_generator(sp.seed))
         self.counters.num_requests += 1
+        if sp.constraint is not None:
+            try:
+                s.matcher = self.grammars().matcher(sp.constraint)
+            except InvalidRequest as e:  # the server checked the grammar; this is a last resort
+                log.warning("constraint of %s refused: %s", request.request_id, e)
+                self._finish(s, FinishReason.ERROR)
+                return
+        self.waiting.append(s)
+
+    def grammars(self) -> GrammarCompiler:
+        """The tokenizer's grammar compiler (built once; needs a transformers tokenizer)."""
+        if self._grammars is None:
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None:
+                raise InvalidRequest("constrained decoding needs a transformers tokenizer")
+            self._grammars = GrammarCompiler(hf, self.runner.decoder.arch.vocab_size)
+        return self._grammars
 
     def abort(self, request_id: str) -> None:
-        """Finish the request now with ABORT (usage = what was actually computed). Unknown ids: no-op."""
+        """Finish the request (every choice) now with ABORT (usage = what was actually computed).
+        Unknown ids and finished requests: no-op."""
         for s in self.waiting:
             if s.request.request_id == request_id:
                 self.waiting.remove(s)
                 self._finish(s, FinishReason.ABORT)
                 return
-        for s in self.running:
-            if s.request.request_id == request_id:
-                self._finish(s, FinishReason.ABORT)
-                return
+        for s in [s for s in self.running if s.request.request_id == request_id]:
+            self._finish(s, FinishReason.ABORT)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
         for s in list(self.waiting) + list(self.running):
@@ -105,8 +120,8 @@ class EngineCore:
         decoding: list[Session] = []
         budget = self.config.max_batch_tokens
         for s in self.running:
-            if s.phase is Phase.DECODE and s.request.request_id in self._pending:
-                items.append(StepItem(s.state, [self._pending.pop(s.request.request_id)], decode=True))  # type: ignore[arg-type]
+            if s.phase is Phase.DECODE and s.key in self._pending:
+                items.append(StepItem(s.state, [self._pending.pop(s.key)], decode=True))  # type: ignore[arg-type]
                 decoding.append(s)
                 budget -= 1
         for s in self.running:
@@ -197,47 +212,83 @@ class EngineCore:
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 
+    def _fork(self, s: Session) -> None:
+        """n > 1: choice 0 has the prompt's last logits; choices 1..n-1 start from deep copies of its
+        state (or pin the same full-hit entry), each with its own generator (seed + index) and its own
+        grammar matcher, and sample their first token now. The prompt was prefilled once."""
+        s.choices.append(s)
+        sp = s.request.sampling
+        for index in range(1, s.request.num_choices):
+            child = Session(
+                request=s.request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
+                generator=make_generator(None if sp.seed is None else sp.seed + index),
+                phase=Phase.DECODE, num_cached=s.num_cached, index=index, choices=s.choices,
+                matcher=None if s.matcher is None else s.matcher.fork(),
+            )
+            if s.state is not None:
+                child.state = s.state.clone()
+            else:  # a full hit: every choice copies the cache entry itself (each holds its own pin)
+                self.cache.pin(s.pending_restore)
+                child.pending_restore = s.pending_restore
+            s.choices.append(child)
+            self.running.append(child)
+        for child in s.choices[1:]:
+            self._sample(child)
+
     def _sample(self, s: Session) -> None:
+        if s.request.num_choices > 1 and not s.choices:
+            self._fork(s)
         if s.state is not None:
             logits = s.state.logits
         else:  # a full hit whose copy is still pending
             logits = s.pending_restore.state.logits  # type: ignore[union-attr]
         assert logits is not None
         sp = s.request.sampling
+        allowed = None if s.matcher is None else s.matcher.allowed()
+        if allowed is not None and not bool(allowed.any()):  # the grammar admits nothing more
+            self._finish(s, FinishReason.STOP)
+            return
         try:
-            token = sample(logits, sp, s.generator)
+            token = sample(adjust_logits(logits, sp, s.output_ids, allowed), sp, s.generator)
         except (RuntimeError, ValueError) as e:  # one request's sampling must never fail the batch
             log.warning("sampling failed for %s: %s", s.request.request_id, e)
             self._finish(s, FinishReason.ERROR)
             return
+        if s.matcher is not None:
+            s.matcher.consume(token)
         if s.first_token_at is None:
             s.first_token_at = time.monotonic()
         s.output_ids.append(token)
         self.counters.num_completion_tokens += 1
         reason: FinishReason | None = None
         text = ""
+        logprobs: tuple[TokenLogprob, ...] = ()
         if (token in self.tokenizer.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            reason = FinishReason.STOP
+            reason = FinishReason.STOP  # a stop token is not output: no text, no logprob entry
         else:
             text = s.detok.add(token)
-            if s.detok.stopped:
+            if sp.num_logprobs is not None:
+                logprobs = (token_logprob(logits, token, sp.num_logprobs),)
+            if s.detok.stopped or (s.matcher is not None and s.matcher.done):
                 reason = FinishReason.STOP
         if reason is None and (
             len(s.output_ids) >= sp.max_tokens or s.prompt_len + len(s.output_ids) >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
         if reason is None:
-            self._pending[s.request.request_id] = token
-            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage()))
+            self._pending[s.key] = token
+            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage(), index=s.index,
+                                                  logprobs=logprobs))
         else:
-            self._finish(s, reason, text, (token,))
+            self._finish(s, reason, text, (token,), logprobs)
 
-    def _finish(self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = ()) -> None:
+    def _finish(self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (),
+                logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if s.phase is Phase.FINISHED:
             return
         s.phase = Phase.FINISHED
         s.finish_reason = reason
-        self._pending.pop(s.request.request_id, None)
+        self._pending.pop(s.key, None)
         if s in self.running:
             self.running.remove(s)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -250,7 +301,8 @@ class EngineCore:
             self.cache.unpin(s.pending_restore)
             s.pending_restore = None
         text += s.detok.flush()
-        self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=s.usage()))
+        self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=s.usage(),
+                                              index=s.index, logprobs=logprobs))
         s.state = None  # free the session's KV now
 
     def _offer_turn(self, s: Session) -> None:

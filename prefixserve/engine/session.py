@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner import SessionState
 from prefixserve.types import FinishReason, Request, Usage
 
@@ -44,6 +45,9 @@ class Session:
     finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    index: int = 0  # which choice of the request (n > 1: choice 0 forks the others after the prompt)
+    choices: list[Session] = field(default_factory=list)  # all choices once forked (shared list)
+    matcher: TokenMatcher | None = None  # constrained decoding: where the output stands in the grammar
 
     @property
     def prompt_len(self) -> int:
@@ -53,10 +57,16 @@ class Session:
     def num_computed(self) -> int:
         return 0 if self.state is None else self.state.num_tokens
 
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request.request_id, self.index
+
     def usage(self) -> Usage:
-        """Worker truth: what this session was served from cache and what it produced."""
-        return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.output_ids),
-                     cached_tokens=self.num_cached)
+        """Worker truth for the whole request: the prompt once, what choice 0 was served from cache,
+        and what every choice produced so far."""
+        group = self.choices or [self]
+        return Usage(prompt_tokens=self.prompt_len, completion_tokens=sum(len(c.output_ids) for c in group),
+                     cached_tokens=group[0].num_cached)
 
     def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
         """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary."""
