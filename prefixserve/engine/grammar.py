@@ -20,6 +20,7 @@ import torch
 
 from prefixserve.types import Constraint, InvalidRequest
 
+
 def grammar_source(constraint: Constraint) -> str:
     """The llguidance grammar (a string) for a constraint. Raises InvalidRequest if it cannot be built."""
     import llguidance

@@ -9,7 +9,6 @@ import torch
 
 from prefixserve.types import SamplingParams, TokenLogprob
 
-
 MIN_TEMPERATURE = 1e-5  # below this, 1/T overflows fp32 and the distribution is argmax anyway
 
 
