@@ -85,8 +85,7 @@ def load_model(
         name = EMBEDDED_NAME
     else:
         name = os.path.basename(os.path.normpath(path))
-        if name.endswith(".gguf"):
-            name = name[: -len(".gguf")]
+        name = name.removesuffix(".gguf")
     if os.path.isdir(path):
         from prefixserve.models.hf_loader import HFModel
 

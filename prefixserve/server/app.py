@@ -81,6 +81,7 @@ def create_app(
             "ok": h.ok,
             "exact_reuse": h.exact_reuse,
             "decode_kernel": h.decode_kernel,
+            "system_fingerprint": h.fingerprint,
             "detail": h.detail,
             "running": h.num_running,
             "waiting": h.num_waiting,

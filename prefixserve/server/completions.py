@@ -1,7 +1,10 @@
 """POST /v1/completions: body -> prompt token ids, SamplingParams and Namespace.
 
 The prompt is a string, a list of token ids, or a one-element list of either; several prompts in one
-request are refused (400) rather than half-supported.
+request are refused (400) rather than half-supported. `n` choices share one prefill; `best_of` > n
+samples best_of choices and returns the n with the highest cumulative logprob (not streamed, as
+OpenAI); `echo` puts the prompt's text before each choice; `suffix` needs fill-in-the-middle tokens,
+which no model served here has (400).
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from typing import Any
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server import params
 from prefixserve.server.errors import bad_request
-from prefixserve.server.responses import CompletionShape, Prepared, new_id
+from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.responses import CompletionShape, Prepared, Shape, new_id
 from prefixserve.server.schemas import CompletionRequest
-from prefixserve.types import Request, SamplingParams
+from prefixserve.types import MAX_CHOICES, Request, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit
 
 
 def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id: str) -> Prepared:
@@ -23,35 +28,48 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
-    if body.logprobs is not None:
-        raise bad_request("logprobs is not supported", "logprobs")
-    if body.best_of is not None and body.best_of != 1:
-        raise bad_request("best_of must be 1", "best_of")
+    n = params.check_n(body.n)
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_request(f"best_of must be between n ({n}) and {MAX_CHOICES}", "best_of")
+    if best_of > n and body.stream:
+        raise bad_request("best_of > n cannot be streamed", "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
+        raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
     prompt_ids = prompt_token_ids(body.prompt, engine)
     check_fits(len(prompt_ids), engine.max_model_len)
-    sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len)
-    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, model, "cmpl", CompletionShape)
+    num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
+    sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len,
+                                      params.vocab_size(engine), num_logprobs)
+    shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
+                            fingerprint=engine.health().fingerprint,
+                            logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
+                            prefix=engine.tokenizer.decode(prompt_ids) if body.echo else "")
+    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
 
 
 def prepared(
     engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
-    salt: str | None, model: str, id_prefix: str, shape_cls: Any,
+    salt: str | None, shape: Shape, num_choices: int = 1, num_returned: int | None = None,
 ) -> Prepared:
     """The engine Request (namespace from the tenant and salt alone) and the response shape."""
-    request_id = new_id(id_prefix)
     request = Request(
-        request_id=request_id,
+        request_id=shape.id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),
         prompt_ids=tuple(prompt_ids),
         sampling=sampling,
+        num_choices=num_choices,
     )
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    shape = shape_cls(id=request_id, model=model, include_usage=include_usage)
-    return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id)
+    return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id,
+                    num_returned=num_choices if num_returned is None else num_returned)
+
+
+def include_usage(body: Any) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
 def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
