@@ -85,7 +85,8 @@ def load_model(
         name = EMBEDDED_NAME
     else:
         name = os.path.basename(os.path.normpath(path))
-        name = name.removesuffix(".gguf")
+        if name.endswith(".gguf"):
+            name = name[: -len(".gguf")]
     if os.path.isdir(path):
         from prefixserve.models.hf_loader import HFModel
 
