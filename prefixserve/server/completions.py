@@ -54,7 +54,7 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
 
 def prepared(
     engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
-    salt: str | None, shape: Shape, num_choices: int = 1, num_returned: int | None = None,
+    salt: str, shape: Shape, num_choices: int = 1, num_returned: int | None = None,
 ) -> Prepared:
     """The engine Request (namespace from the tenant and salt alone) and the response shape."""
     request = Request(
