@@ -55,23 +55,10 @@ def parse_tool_calls(text: str, setup: ToolSetup) -> ParsedReply:
     """Every well-formed ``<tool_call>{json}</tool_call>`` naming a known function becomes a call; an
     unclosed last tag is parsed to the end of the text. Anything else (text before, between and
     after calls, invalid JSON, unknown names) stays content, unchanged apart from stripping."""
-    calls: list[ToolCallOut] = []
-    kept: list[str] = []
-    pos = 0
-    while (start := text.find(OPEN, pos)) != -1:
-        end = text.find(CLOSE, start + len(OPEN))
-        body_end = len(text) if end == -1 else end
-        after = len(text) if end == -1 else end + len(CLOSE)
-        call = _call_from_json(text[start + len(OPEN) : body_end], setup)
-        kept.append(text[pos:start] if call is not None else text[pos:after])
-        if call is not None and (setup.parallel or not calls):
-            calls.append(call)
-        pos = after
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
+    content, calls = _split(text, setup)
     if not calls:
         return ParsedReply(text, ())
-    return ParsedReply(content or None, tuple(calls))
+    return ParsedReply(content.strip() or None, calls)
 
 
 class ToolCallStream:
@@ -97,11 +84,10 @@ class ToolCallStream:
         return out
 
     def finish(self) -> ParsedReply:
-        """The rest: content not yet streamed (None if none) and the calls."""
-        parsed = parse_tool_calls(self._held, self._setup)
-        if not parsed.calls:
-            return ParsedReply(self._held or None, ())
-        return parsed
+        """The rest: content not yet streamed (None if none; whitespace kept, so that the streamed
+        content is the non-streamed one up to surrounding whitespace) and the calls."""
+        content, calls = _split(self._held, self._setup)
+        return ParsedReply((content if calls else self._held) or None, calls)
 
 
 def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
@@ -164,3 +150,21 @@ def _partial_tag_len(text: str) -> int:
         if text.endswith(OPEN[:n]):
             return n
     return 0
+
+
+def _split(text: str, setup: ToolSetup) -> tuple[str, tuple[ToolCallOut, ...]]:
+    """The text outside the calls (as it is) and the calls."""
+    calls: list[ToolCallOut] = []
+    kept: list[str] = []
+    pos = 0
+    while (start := text.find(OPEN, pos)) != -1:
+        end = text.find(CLOSE, start + len(OPEN))
+        body_end = len(text) if end == -1 else end
+        after = len(text) if end == -1 else end + len(CLOSE)
+        call = _call_from_json(text[start + len(OPEN) : body_end], setup)
+        kept.append(text[pos:start] if call is not None else text[pos:after])
+        if call is not None and (setup.parallel or not calls):
+            calls.append(call)
+        pos = after
+    kept.append(text[pos:])
+    return "".join(kept), tuple(calls)

@@ -128,7 +128,14 @@ def test_required_tool_choice_and_unknown_model(server: ServerProcess) -> None:
 
 
 def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     seen: list[str] = []

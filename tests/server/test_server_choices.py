@@ -7,6 +7,7 @@ import json
 
 from fastapi.testclient import TestClient
 
+from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import auth
 
 C, CH = "/v1/completions", "/v1/chat/completions"
@@ -75,3 +76,27 @@ def test_best_of_returns_n_choices(client: TestClient) -> None:
 def test_unknown_model_is_404_model_not_found(client: TestClient) -> None:
     r = client.post(CH, json={"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}, headers=auth())
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tool_calls_in_a_reply_are_parsed_streamed_and_not(client: TestClient, engine: FakeEngine) -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    messages = [{"role": "user", "content": call}]
+    prompt_ids = engine.tokenizer.render_chat(messages, tools)
+    prompt_len = len(prompt_ids)
+    body = {"messages": messages, "tools": tools, "max_tokens": prompt_len}  # the fake replays the prompt
+    r = client.post(CH, json=body, headers=auth()).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    [tc] = choice["message"]["tool_calls"]
+    assert tc["type"] == "function" and tc["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert choice["message"]["content"] == engine.tokenizer.decode(prompt_ids).replace(call, "").strip()
+    chunks = sse(client.post(CH, json={**body, "stream": True}, headers=auth()).text)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert streamed[0]["function"] == {"name": "add", "arguments": ""} and streamed[0]["id"].startswith("call_")
+    assert streamed[1] == {"index": 0, "function": {"arguments": '{"a": 1}'}}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "".join(d.get("content") or "" for d in deltas).strip() == choice["message"]["content"]
+    body["parallel_tool_calls"] = False
+    assert client.post(CH, json=body, headers=auth()).json()["choices"][0]["finish_reason"] == "tool_calls"
