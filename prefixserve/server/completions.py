@@ -1,7 +1,7 @@
 """POST /v1/completions: body -> prompt token ids, SamplingParams and Namespace.
 
-The prompt is a string, a list of token ids, or a one-element list of either; several prompts in one
-request are refused (400) rather than half-supported. `n` choices share one prefill; `best_of` > n
+The prompt is a string, a list of token ids, or a list of up to 16 of either: prompt k's choices are
+k * n .. k * n + n - 1 and `usage` sums the prompts (server/multi.py). `n` choices share one prefill; `best_of` > n
 samples best_of choices and returns the n with the highest cumulative logprob (not streamed, as
 OpenAI); `echo` puts the prompt's text before each choice; `suffix` needs fill-in-the-middle tokens,
 which no model served here has (400).
@@ -9,6 +9,7 @@ which no model served here has (400).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from prefixserve.engine.protocol import EngineClient
@@ -21,6 +22,7 @@ from prefixserve.types import MAX_CHOICES, Request, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit
+MAX_PROMPTS = 16
 
 
 def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id: str) -> Prepared:
@@ -40,8 +42,12 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.suffix:
         raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
-    prompt_ids = prompt_token_ids(body.prompt, engine)
-    check_fits(len(prompt_ids), engine.max_model_len)
+    prompts = prompts_token_ids(body.prompt, engine)
+    for ids in prompts:
+        check_fits(len(ids), engine.max_model_len)
+    if len(prompts) > 1 and (best_of > n or body.echo):
+        raise bad_request("best_of > n and echo need a single prompt", "best_of" if best_of > n else "echo")
+    prompt_ids = prompts[0]
     num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
     sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len,
                                       params.vocab_size(engine), num_logprobs)
@@ -49,7 +55,10 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
                             fingerprint=engine.health().fingerprint,
                             logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
                             prefix=engine.tokenizer.decode(prompt_ids) if body.echo else "")
-    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
+    first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
+    more = tuple(replace(first.request, request_id=f"{shape.id}-{k}", prompt_ids=tuple(ids))
+                 for k, ids in enumerate(prompts[1:], 1))
+    return replace(first, more=more)
 
 
 def prepared(
@@ -65,21 +74,26 @@ def prepared(
         num_choices=num_choices,
     )
     return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id,
-                    num_returned=num_choices if num_returned is None else num_returned)
+                    num_returned=num_returned if num_returned != num_choices else None)
 
 
 def include_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
-    """str | list[int] | [str] | [list[int]] -> token ids (non-empty)."""
+def prompts_token_ids(prompt: Any, engine: EngineClient) -> list[list[int]]:
+    """str | list[int] | [str, ...] | [list[int], ...] -> one list of token ids per prompt (each non-empty)."""
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) != 1:
-            raise bad_request("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [prompt_token_ids(p, engine) for p in prompt]
+    return [prompt_token_ids(prompt, engine)]
+
+
+def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
+    """str | list[int] -> token ids (non-empty)."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")

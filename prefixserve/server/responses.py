@@ -174,12 +174,22 @@ class Prepared:
     shape: Shape
     stream: bool
     tenant_id: str
-    num_returned: int = 1  # best_of > n: the request samples more choices than it returns
+    num_returned: int | None = None  # best_of > n: the request samples more choices than it returns
+    more: tuple[Request, ...] = ()  # completions with a list of prompts: the 2nd, 3rd, ... (server/multi.py)
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return (self.request, *self.more)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices the engine produces for the whole response (every prompt's n)."""
+        return sum(r.num_choices for r in self.requests)
 
     def select(self, choices: list[ChoiceOutput]) -> list[ChoiceOutput]:
         """best_of: the `num_returned` choices with the highest cumulative logprob, re-indexed from 0
         in that order (the engine computed logprobs for this); otherwise all of them."""
-        if len(choices) <= self.num_returned:
+        if self.num_returned is None or len(choices) <= self.num_returned:
             return choices
         best = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs))[: self.num_returned]
         return [ChoiceOutput(i, c.text, c.finish_reason, c.logprobs) for i, c in enumerate(best)]

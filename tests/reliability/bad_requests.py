@@ -65,7 +65,7 @@ CASES: list[Bad] = [
     cmpl("prompt-empty-string", prompt="", param="prompt"),
     cmpl("prompt-empty-list", prompt=[], param="prompt"),
     cmpl("prompt-empty-nested-list", prompt=[[]], param="prompt"),
-    cmpl("prompt-several", prompt=["one", "two"], param="prompt"),
+    cmpl("prompt-too-many", prompt=["one"] * 17, param="prompt"),
     cmpl("prompt-mixed-ids", prompt=[1, "a"], param="prompt"),
     cmpl("prompt-float-ids", prompt=[1.5, 2.0], param="prompt"),
     cmpl("prompt-bool-ids", prompt=[True, False], param="prompt"),

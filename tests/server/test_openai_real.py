@@ -314,7 +314,7 @@ BAD_CALLS: list[tuple[str, dict[str, Any], str | None]] = [
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"prompt": ["one", "two"]}, "prompt"),
+    ("completions", {"prompt": ["one", "two", ""]}, "prompt"),
     ("completions", {"prompt": [49152 + 10]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"stop": [""]}, "stop"),

@@ -100,3 +100,16 @@ def test_tool_calls_in_a_reply_are_parsed_streamed_and_not(client: TestClient, e
     assert "".join(d.get("content") or "" for d in deltas).strip() == choice["message"]["content"]
     body["parallel_tool_calls"] = False
     assert client.post(CH, json=body, headers=auth()).json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_list_of_prompts_gives_each_its_choices_and_sums_usage(client: TestClient) -> None:
+    body = {"prompt": ["ab", "xyz"], "max_tokens": 2, "n": 2}
+    r = client.post(C, json=body, headers=auth()).json()
+    assert [(c["index"], c["text"]) for c in r["choices"]] == [(0, "ab"), (1, "ab"), (2, "xy"), (3, "xy")]
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (5, 8)
+    chunks = sse(client.post(C, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                             headers=auth()).text)
+    texts: dict[int, str] = {}
+    for c in chunks[:-1]:
+        texts[c["choices"][0]["index"]] = texts.get(c["choices"][0]["index"], "") + c["choices"][0]["text"]
+    assert texts == {0: "ab", 1: "ab", 2: "xy", 3: "xy"} and chunks[-1]["usage"]["total_tokens"] == 13
