@@ -107,3 +107,23 @@ def test_json_schema_constraint_always_parses_and_validates(engine: AsyncEngine)
         value = json.loads(text)
         assert set(value) == {"city", "population"} and isinstance(value["population"], int), text
     assert all(d.finish_reason is None or d.finish_reason.value == "stop" for d in deltas)
+
+
+def test_closing_the_stream_aborts_every_choice(engine: AsyncEngine) -> None:
+    ids = prompt(engine, "Count to one hundred.")
+
+    async def go() -> int:
+        req = Request(uuid.uuid4().hex, NS, ids, SamplingParams(max_tokens=200, ignore_eos=True), num_choices=3)
+        seen = 0
+        async for d in engine.generate(req):
+            seen += len(d.token_ids)
+            if seen >= 4:
+                break
+        for _ in range(100):  # the abort reaches the engine thread within a step or two
+            if engine.core.num_running() == 0:
+                break
+            await asyncio.sleep(0.05)
+        return engine.core.num_running()
+
+    assert asyncio.run(go()) == 0
+    engine.core.cache.check_integrity()
