@@ -80,13 +80,14 @@ class AsyncEngine:
     """
 
     def __init__(self, core: EngineCore, model_id: str, tokenizer: TokenizerLike, selftest_detail: str,
-                 vocab_size: int, thread: TorchThread | None = None) -> None:
+                 vocab_size: int, thread: TorchThread | None = None, model_source: str = "") -> None:
         self.core = core
         self.model_id = model_id
         self.max_model_len = core.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._selftest_detail = selftest_detail
+        self._model_source = model_source  # the weights' path (fingerprinted), "" when not known
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]]] = {}
@@ -157,7 +158,7 @@ class AsyncEngine:
         """`system_fingerprint`: a digest of everything that decides the bits of an output here (the
         model, its dtype, the decode kernel, the self-test's verdict and row padding)."""
         d = self.core.runner.decoder
-        parts = (self.model_id, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
+        parts = (self.model_id, self._model_source, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
                  str(self.core.exact_reuse), self._selftest_detail)
         return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
