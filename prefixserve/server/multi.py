@@ -20,8 +20,12 @@ async def generate_all(engine: EngineClient, requests: Sequence[Request]) -> Asy
     Raises what one request raises (PromptTooLong, an engine failure); closing this iterator closes
     (aborts) every request."""
     if len(requests) == 1:
-        async for delta in engine.generate(requests[0]):
-            yield delta
+        only = engine.generate(requests[0])
+        try:
+            async for delta in only:
+                yield delta
+        finally:  # closing this iterator closes (aborts) the engine's at once, not at garbage collection
+            await aclose_shielded(only)
         return
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
     iters = [engine.generate(r) for r in requests]
