@@ -26,6 +26,7 @@ test: install
 # The reliability section (tests/reliability, also part of `make test`) with soak-sized counts:
 # 510 disconnect faults, 5 minutes of 32-client load, 500-probe timing audits, longer fuzzing.
 soak: install
+	SOAK=1 $(PY) -m pytest -q tests/runner/test_exactness.py -k resume
 	SOAK=1 $(PY) -m pytest -q -s tests/reliability
 
 lint: install

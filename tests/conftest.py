@@ -12,18 +12,27 @@ IN_PROCESS_THREADS = 1
 
 
 def load_embedded(mode: str):
-    """The embedded SmolLM2 as (LoadedModel, ModelRunner), cached across tests.
+    """The embedded SmolLM2 as (LoadedModel, ModelRunner), cached across tests, configured as the
+    server would configure it on this machine: the start-up self-test picks the tile plan (and may
+    refuse the mode, and then the test is skipped with the self-test's reason).
 
     mode: 'fp32' | 'bf16' (both with dense decode) | 'int4' (bf16, 4-bit decode rows: the server's
     default on CPUs with native bf16)."""
     if mode not in _MODELS:
         from prefixserve.models import load_model
         from prefixserve.runner import ModelRunner
+        from prefixserve.runner.selftest import self_test
 
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         m = load_model(None, dtype, decode_kernel="int4" if mode == "int4" else "dense")
-        _MODELS[mode] = (m, ModelRunner(m.decoder, IN_PROCESS_THREADS))
-    return _MODELS[mode]
+        runner = ModelRunner(m.decoder, IN_PROCESS_THREADS)
+        result = self_test(runner)
+        refused = not result.ok or (mode == "int4" and result.decode_kernel != "int4")
+        _MODELS[mode] = (m, runner, result.detail if refused else None)
+    m, runner, refused = _MODELS[mode]
+    if refused:
+        pytest.skip(f"mode {mode} is refused on this machine by the self-test: {refused}")
+    return m, runner
 
 
 @pytest.fixture(scope="session", params=["fp32", "bf16", "int4"])
@@ -34,3 +43,17 @@ def embedded(request):
 @pytest.fixture(scope="session")
 def embedded_fp32():
     return load_embedded("fp32")
+
+
+def server_default_mode() -> str:
+    """The mode `prefixserve serve` picks here with its defaults: 4-bit decode rows where the
+    self-test accepts them (bf16 CPUs), else bf16 with dense decode, else fp32."""
+    from prefixserve.models.loader import cpu_has_native_bf16
+
+    for mode in ("int4", "bf16") if cpu_has_native_bf16() else ():
+        try:
+            load_embedded(mode)
+            return mode
+        except pytest.skip.Exception:
+            continue
+    return "fp32"

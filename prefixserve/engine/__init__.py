@@ -52,6 +52,13 @@ def _build_core(
     loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel)
     runner = ModelRunner(loaded.decoder, model_config.num_threads)
     result = self_test(runner)
+    if not result.ok and model_config.dtype == "auto" and dtype != torch.float32:
+        # --dtype auto takes the fastest mode that is exact here: bf16 failed, so try fp32
+        log.warning("self-test (%.1fs): %s; trying fp32", result.seconds, result.detail)
+        dtype = torch.float32
+        loaded = load_model(model_config.path, dtype, device, decode_kernel="dense")
+        runner = ModelRunner(loaded.decoder, model_config.num_threads)
+        result = self_test(runner)
     (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
     max_len = loaded.arch.max_position
     if model_config.max_model_len is not None:

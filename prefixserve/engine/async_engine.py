@@ -152,6 +152,8 @@ class AsyncEngine:
             num_waiting=self.core.num_waiting(),
             decode_kernel=self.core.runner.decoder.decode_kernel,
             fingerprint=self.fingerprint(),
+            dtype=str(self.core.runner.decoder.dtype).removeprefix("torch."),
+            tiles=str(self.core.runner.decoder.tiles),
         )
 
     def fingerprint(self) -> str:
@@ -159,7 +161,7 @@ class AsyncEngine:
         model, its dtype, the decode kernel, the self-test's verdict and row padding)."""
         d = self.core.runner.decoder
         parts = (self.model_id, self._model_source, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
-                 str(self.core.exact_reuse), self._selftest_detail)
+                 str(d.tiles), str(self.core.exact_reuse), self._selftest_detail)
         return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:

@@ -13,16 +13,18 @@ from dataclasses import dataclass
 
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.config import EngineConfig
+from prefixserve.engine.choices import fork_choices
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import TokenizerLike
-from prefixserve.engine.session import Phase, Session
+from prefixserve.engine.session import Phase, Session, TurnRefill
 from prefixserve.runner import ModelRunner, StepItem, adjust_logits, make_generator, sample, token_logprob
 from prefixserve.types import Delta, FinishReason, InvalidRequest, Request, TokenLogprob
 
 log = logging.getLogger("prefixserve.engine")
 
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
+MAX_PENDING_REFILLS = 8  # finished turns waiting to be re-fed (each holds its session's KV); oldest dropped
 
 Emit = Callable[[str, Delta], None]
 
@@ -61,6 +63,7 @@ class EngineCore:
         self.running: list[Session] = []
         self._pending: dict[tuple[str, int], int] = {}  # Session.key -> sampled token not yet fed to the model
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self.refills: deque[TurnRefill] = deque()  # finished 4-bit-decoded turns to re-feed, oldest first
         self.counters = EngineCounters()
 
     # ---- public -------------------------------------------------------------------------------
@@ -81,12 +84,9 @@ class EngineCore:
         self.waiting.append(s)
 
     def grammars(self) -> GrammarCompiler:
-        """The tokenizer's grammar compiler (built once; needs a transformers tokenizer)."""
+        """The tokenizer's grammar compiler (built once, on the first constrained request)."""
         if self._grammars is None:
-            hf = getattr(self.tokenizer, "hf", None)
-            if hf is None:
-                raise InvalidRequest("constrained decoding needs a transformers tokenizer")
-            self._grammars = GrammarCompiler(hf, self.runner.decoder.arch.vocab_size)
+            self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.decoder.arch.vocab_size)
         return self._grammars
 
     def abort(self, request_id: str) -> None:
@@ -101,13 +101,14 @@ class EngineCore:
             self._finish(s, FinishReason.ABORT)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        self.refills.clear()
         for s in list(self.waiting) + list(self.running):
             if s in self.waiting:
                 self.waiting.remove(s)
             self._finish(s, reason)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.refills)
 
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample."""
@@ -131,9 +132,14 @@ class EngineCore:
             items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))  # type: ignore[arg-type]
             prefill_ends.append((s, start, end))
             budget -= end - start
+        refill = self._refill_item(budget) if not prefill_ends and not self.waiting else None
+        if refill is not None:
+            items.append(refill)
         if items:
             self.runner.step(items)
             self.counters.num_steps += 1
+        if refill is not None:
+            self._finish_refill()
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
             if end == s.prompt_len:
@@ -161,6 +167,8 @@ class EngineCore:
 
     def _start(self, s: Session) -> None:
         req = s.request
+        if self.refills:
+            self._complete_refills_for(req)
         hit = self.cache.lookup(req.namespace, req.prompt_ids) if self.exact_reuse else None
         if isinstance(hit, Hit):
             self.cache.pin(hit.entry)  # held until the copy is made (now, or next step for a full hit)
@@ -212,32 +220,11 @@ class EngineCore:
 
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 
-    def _fork(self, s: Session) -> None:
-        """n > 1: choice 0 has the prompt's last logits; choices 1..n-1 start from deep copies of its
-        state (or pin the same full-hit entry), each with its own generator (seed + index) and its own
-        grammar matcher, and sample their first token now. The prompt was prefilled once."""
-        s.choices.append(s)
-        sp = s.request.sampling
-        for index in range(1, s.request.num_choices):
-            child = Session(
-                request=s.request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
-                generator=make_generator(None if sp.seed is None else sp.seed + index),
-                phase=Phase.DECODE, num_cached=s.num_cached, index=index, choices=s.choices,
-                matcher=None if s.matcher is None else s.matcher.fork(),
-            )
-            if s.state is not None:
-                child.state = s.state.clone()
-            else:  # a full hit: every choice copies the cache entry itself (each holds its own pin)
-                self.cache.pin(s.pending_restore)
-                child.pending_restore = s.pending_restore
-            s.choices.append(child)
-            self.running.append(child)
-        for child in s.choices[1:]:
-            self._sample(child)
-
     def _sample(self, s: Session) -> None:
-        if s.request.num_choices > 1 and not s.choices:
-            self._fork(s)
+        if s.request.num_choices > 1 and not s.choices:  # n > 1: fork the others (engine/choices.py)
+            for child in fork_choices(s, self.tokenizer, self.cache):
+                self.running.append(child)
+                self._sample(child)
         if s.state is not None:
             logits = s.state.logits
         else:  # a full hit whose copy is still pending
@@ -306,14 +293,55 @@ class EngineCore:
         s.state = None  # free the session's KV now
 
     def _offer_turn(self, s: Session) -> None:
-        """Cache prompt + reply so the next turn of the conversation hits its own history. Only when
-        decoding gives a token the bits prefilling it would (no 4-bit decode weights): otherwise the
-        reply's KV differs from a recomputation's, and the turn's prompt entry is all we may offer."""
+        """Cache prompt + reply so the next turn of the conversation hits its own history.
+
+        Dense decode runs the prefill calls, so the session's state is exact as it is (the reply's
+        last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
+        recomputation's: the state is cut back to its exact prompt and the whole reply is queued to
+        be re-fed by prefill (`TurnRefill`), off the steps that serve prompts."""
         st = s.state
-        if not self.config.offer_finished_turns or st is None or st.num_tokens <= s.prompt_len:
+        if not self.config.offer_finished_turns or st is None or not s.output_ids:
             return
-        if not self.runner.decoder.decode_matches_prefill:
+        if not self.exact_reuse or self.cache.config.max_bytes == 0:
             return
-        ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
-        if self.exact_reuse and self.cache.config.max_bytes > 0:
-            self.cache.insert(s.request.namespace, ids, st.snapshot())
+        if self.runner.decoder.decode_matches_prefill:
+            if st.num_tokens > s.prompt_len:
+                ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
+                self.cache.insert(s.request.namespace, ids, st.snapshot())
+            return
+        st.truncate(s.prompt_len)
+        self.refills.append(TurnRefill(s.request.namespace, tuple(s.request.prompt_ids) + tuple(s.output_ids), st))
+        if len(self.refills) > MAX_PENDING_REFILLS:
+            self.refills.popleft()
+
+    def _refill_item(self, budget: int) -> StepItem | None:
+        """The next chunk of the oldest pending refill, within `budget` tokens (None: nothing to do)."""
+        if not self.refills or budget <= 0:
+            return None
+        r = self.refills[0]
+        start = r.state.num_tokens
+        end = min(len(r.token_ids), start + min(self.config.prefill_chunk_tokens, budget))
+        return StepItem(r.state, r.token_ids[start:end], want_logits=end == len(r.token_ids))
+
+    def _complete_refills_for(self, req: Request) -> None:
+        """A new prompt that continues a pending refill's turn (the next message of that chat) would
+        compute the same reply tokens itself: finish that refill now, so the prompt hits all of it."""
+        for r in list(self.refills):
+            if r.namespace != req.namespace or len(req.prompt_ids) <= r.state.num_tokens:
+                continue
+            if req.prompt_ids[: r.state.num_tokens + 1] != r.token_ids[: r.state.num_tokens + 1]:
+                continue
+            self.refills.remove(r)
+            self.refills.appendleft(r)
+            while self.refills and self.refills[0] is r:
+                item = self._refill_item(self.config.prefill_chunk_tokens)
+                assert item is not None
+                self.runner.step([item])
+                self._finish_refill()
+
+    def _finish_refill(self) -> None:
+        """After a step that fed the oldest refill: insert it once it covers the whole turn."""
+        r = self.refills[0]
+        if r.state.num_tokens == len(r.token_ids):
+            self.refills.popleft()
+            self.cache.insert(r.namespace, r.token_ids, r.state.snapshot())

@@ -53,6 +53,14 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
         self.vocab_size = vocab_size
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer: object, vocab_size: int) -> GrammarCompiler:
+        """From our models.Tokenizer (its transformers tokenizer `hf`). Raises InvalidRequest otherwise."""
+        hf = getattr(tokenizer, "hf", None)
+        if hf is None:
+            raise InvalidRequest("constrained decoding needs a transformers tokenizer")
+        return cls(hf, vocab_size)
+
     def matcher(self, constraint: Constraint) -> TokenMatcher:
         """A fresh matcher at the start of the output. Raises InvalidRequest for a bad grammar."""
         import llguidance

@@ -20,6 +20,8 @@ class EngineHealth:
     num_waiting: int
     decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/quant.py)
     fingerprint: str = ""  # responses' system_fingerprint: model, dtype, kernels, self-test verdict
+    dtype: str = ""  # the runtime dtype the self-test chose ("bfloat16" / "float32")
+    tiles: str = ""  # row tiles of every dense matmul (docs/exactness.md), e.g. "64"
 
 
 class TokenizerLike(Protocol):

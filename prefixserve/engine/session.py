@@ -12,7 +12,7 @@ import torch
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner import SessionState
-from prefixserve.types import FinishReason, Request, Usage
+from prefixserve.types import FinishReason, Namespace, Request, Usage
 
 
 class Phase(enum.Enum):
@@ -75,3 +75,19 @@ class Session:
         if start < self.boundary < end:
             end = self.boundary
         return start, end
+
+
+@dataclass(eq=False)
+class TurnRefill:
+    """A finished turn whose decoded tokens are fed again, by prefill, so that its state can be cached.
+
+    With 4-bit decode rows a decoded token's KV has other bits than prefilling it would give, so the
+    session's own state is not offered as it is. Instead (docs/exactness.md):
+    # [0, num_tokens)            exact: the prompt's KV (prefilled, or copied from a cache entry)
+    # [num_tokens, len(ids))     re-fed in prefill chunks when a step has spare budget; then the
+    #                            whole turn (prompt + reply) is inserted, exact by construction
+    """
+
+    namespace: Namespace
+    token_ids: tuple[int, ...]
+    state: SessionState

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 
 from prefixserve.models.arch import ArchConfig
 from prefixserve.models.layers import (
+    RopeTable,
+    TilePlan,
     apply_rope,
     batched_decode_attention,
     block_attention,
-    inv_linear,
     rms_norm,
-    rope_tables,
     single_query_attention,
+    tiled,
 )
 from prefixserve.models.quant import Int4Weight, int4_linear
 
@@ -67,29 +68,31 @@ class Decoder:
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
-        min_rows: int,
+        tiles: TilePlan,
     ) -> None:
         self.arch = arch
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
-        self.min_rows = min_rows
+        self.tiles = tiles  # row tiles of every dense matmul; chosen by the start-up self-test
         self.lm_head_q4: Int4Weight | None = None
         # set by weights.attach_int4: decode rows run 4-bit matmuls and `single_query_attention`,
-        # whose bits differ from prefill's (still batch-invariant)
+        # whose bits differ from prefill's (still batch-invariant); the engine re-derives the KV of
+        # decoded tokens by prefill before it caches them
         self.int4_decode = False
         self.dtype = embed.dtype
         self.device = embed.device
-        self.inv_freq = 1.0 / (
+        inv_freq = 1.0 / (
             arch.rope_theta
             ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64, device=self.device).float() / arch.head_dim)
         )
+        self.rope = RopeTable(inv_freq, self.dtype)
 
     @property
     def decode_matches_prefill(self) -> bool:
         """True when a decoded token's KV and logits have the bits prefilling it would give (no
-        4-bit decode path), so decode-produced states may be cached."""
+        4-bit decode path): decode rows then run exactly the prefill calls."""
         return not self.int4_decode
 
     @property
@@ -97,16 +100,16 @@ class Decoder:
         """"int4" or "dense": what decode rows run (`--decode-kernel`, /health)."""
         return "int4" if self.int4_decode else "dense"
 
-    def _linear(
-        self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None, nd: int
-    ) -> torch.Tensor:
-        """The first `nd` rows are decode rows (4-bit kernel when the layer has one), the rest prefill."""
-        if q4 is None or nd == 0:
-            return inv_linear(x, dense, bias, self.min_rows)
-        y = int4_linear(x[:nd], q4, bias)
-        if nd == x.shape[0]:
-            return y
-        return torch.cat([y, inv_linear(x[nd:], dense, bias, self.min_rows)])
+    def kernel_fingerprint(self) -> str:
+        """Everything about the runtime's kernel choices that changes the bits of a state."""
+        return f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}|attn=block32x16"
+
+    def drop_int4(self) -> None:
+        """Decode rows fall back to the dense prefill path (the self-test refused the 4-bit rows)."""
+        for lw in self.layers:
+            lw.qkv_q4 = lw.o_q4 = lw.gate_up_q4 = lw.down_q4 = None
+        self.lm_head_q4 = None
+        self.int4_decode = False
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -114,6 +117,11 @@ class Decoder:
 
         Writes each segment's new K/V into its kv tensor. Returns fp32 logits [num_wanted, vocab],
         one row per segment with want_logits (its last new position), in segment order.
+
+        Rows are processed in groups of fixed shape (docs/exactness.md):
+        # [0, nd)          4-bit decode rows (int4 mode only): one group, every op row-local
+        # [nd, nd + P)     the other rows in plan tiles (P = sum of tiles; rows past the real
+        #                  ones are zero padding, never attended and never returned)
         """
         a = self.arch
         leading = 0  # decode segments lead the batch
@@ -121,29 +129,45 @@ class Decoder:
             leading += 1
         if any(s.decode for s in segments[leading:]):
             raise ValueError("decode segments must precede prefill segments")
-        nd = sum(s.num_new for s in segments[:leading])
-        positions = torch.cat(
+        nd = sum(s.num_new for s in segments[:leading]) if self.int4_decode else 0
+        num_rows = token_ids.shape[0]
+        groups: list[tuple[int, int, bool]] = [(0, nd, True)] if nd else []  # (start, rows, int4)
+        offset = nd
+        for t in self.tiles.split(num_rows - nd):
+            groups.append((offset, t, False))
+            offset += t
+        total = offset
+        positions = torch.zeros(total, dtype=torch.long, device=self.device)
+        positions[:num_rows] = torch.cat(
             [torch.arange(s.start, s.start + s.num_new, device=self.device) for s in segments]
         )
-        cos, sin = rope_tables(positions, self.inv_freq, self.dtype)
-        h = self.embed[token_ids]  # [num_tokens, hidden]
+        cos, sin = self.rope.lookup(positions)
+        h = self.embed.new_zeros(total, a.hidden_size)
+        h[:num_rows] = self.embed[token_ids]
+        q = h.new_empty(total, a.num_heads, a.head_dim)
+        k = h.new_empty(total, a.num_kv_heads, a.head_dim)
+        v = h.new_empty(total, a.num_kv_heads, a.head_dim)
         for li, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.attn_norm, a.rms_eps)
-            qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, nd)
-            q = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
-            k = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
-            v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
-            if lw.q_norm is not None and lw.k_norm is not None:
-                q = rms_norm(q, lw.q_norm, a.rms_eps)
-                k = rms_norm(k, lw.k_norm, a.rms_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            attn = self._attention(li, q, k, v, segments)
-            h = h + self._linear(attn, lw.o_proj, None, lw.o_q4, nd)
-            x = rms_norm(h, lw.mlp_norm, a.rms_eps)
-            gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, nd)
-            gate, up = gu.split(a.intermediate_size, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, lw.down, None, lw.down_q4, nd)
+            for g0, gn, q4 in groups:
+                g1 = g0 + gn
+                x = rms_norm(h[g0:g1], lw.attn_norm, a.rms_eps)
+                qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, q4)
+                gq = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
+                gk = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
+                v[g0:g1] = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
+                if lw.q_norm is not None and lw.k_norm is not None:
+                    gq = rms_norm(gq, lw.q_norm, a.rms_eps)
+                    gk = rms_norm(gk, lw.k_norm, a.rms_eps)
+                q[g0:g1] = apply_rope(gq, cos[g0:g1], sin[g0:g1])
+                k[g0:g1] = apply_rope(gk, cos[g0:g1], sin[g0:g1])
+            attn = self._attention(li, q, k, v, segments, total)
+            for g0, gn, q4 in groups:
+                g1 = g0 + gn
+                hg = h[g0:g1] + self._linear(attn[g0:g1], lw.o_proj, None, lw.o_q4, q4)
+                x = rms_norm(hg, lw.mlp_norm, a.rms_eps)
+                gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, q4)
+                gate, up = gu.split(a.intermediate_size, dim=-1)
+                h[g0:g1] = hg + self._linear(F.silu(gate) * up, lw.down, None, lw.down_q4, q4)
         last_rows: list[int] = []
         offset = 0
         for s in segments:
@@ -152,42 +176,54 @@ class Decoder:
                 last_rows.append(offset - 1)
         if not last_rows:
             return torch.empty(0, a.vocab_size)
-        x = rms_norm(h[last_rows], self.final_norm, a.rms_eps)
         if self.lm_head_q4 is not None:
             # every logits row, prefill's too: no KV depends on it, and its rows are batch-invariant,
-            # so cached and recomputed logits still agree; it saves a 16-row dense matmul per prefill
-            return int4_linear(x, self.lm_head_q4, out_dtype=torch.float32)
-        return inv_linear(x, self.lm_head, None, self.min_rows).float()
+            # so cached and recomputed logits still agree; it saves a dense vocab matmul per prefill
+            head = self.lm_head_q4
+            x = tiled(h[last_rows], self.tiles.head, lambda t: rms_norm(t, self.final_norm, a.rms_eps))
+            return int4_linear(x, head, out_dtype=torch.float32)
+        return tiled(h[last_rows], self.tiles.head,
+                     lambda t: F.linear(rms_norm(t, self.final_norm, a.rms_eps), self.lm_head).float())
+
+    def _linear(
+        self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None, decode_group: bool
+    ) -> torch.Tensor:
+        """One group's matmul. Decode group: the 4-bit kernel (any row count), or plan tiles for a
+        layer without 4-bit codes. Tile group: one dense call of exactly the tile's shape."""
+        if not decode_group:
+            return F.linear(x, dense, bias)
+        if q4 is not None:
+            return int4_linear(x, q4, bias)
+        return tiled(x, self.tiles, lambda t: F.linear(t, dense, bias))
 
     def _attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment]
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], total: int
     ) -> torch.Tensor:
-        """Write new K/V, then attend: all single-token segments together, longer ones one by one.
+        """Write new K/V, then attend. Returns [total, q_size]; padding rows zero.
 
-        Both paths give a row the same bits (see layers.py), so which path a token takes never matters."""
-        outs: list[torch.Tensor | None] = [None] * len(segments)
-        singles: list[int] = []
-        rows: list[tuple[int, int]] = []
+        Single-token segments attend together (`batched_decode_attention`), longer ones one by one
+        (`block_attention`); both give a row the same bits, so a dense decode row gets exactly what a
+        one-token prefill would and decode states equal prefill states by construction. 4-bit decode
+        rows (whose KV is never cached) take one plain softmax per session."""
+        out = q.new_zeros(total, q.shape[1] * q.shape[2])
+        singles: list[tuple[int, Segment]] = []
         offset = 0
-        for i, s in enumerate(segments):
+        for s in segments:
             end = offset + s.num_new
             kv = s.kv[layer]  # [2, kv_heads, capacity, head_dim]
-            kv[0, :, s.start : end - offset + s.start] = k[offset:end].transpose(0, 1)
-            kv[1, :, s.start : end - offset + s.start] = v[offset:end].transpose(0, 1)
-            rows.append((offset, end))
+            kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
+            kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
             if s.decode and self.int4_decode:
-                outs[i] = single_query_attention(q[offset], kv[0], kv[1], s.start + 1)
+                out[offset] = single_query_attention(q[offset], kv[0], kv[1], s.start + 1)[0]
             elif s.num_new == 1:
-                singles.append(i)
+                singles.append((offset, s))
             else:
-                outs[i] = block_attention(q[offset:end], kv[0], kv[1], s.start, self.min_rows)
+                out[offset:end] = block_attention(q[offset:end], kv[0], kv[1], s.start)
             offset = end
         if singles:
-            idx = torch.tensor([rows[i][0] for i in singles])
-            dec = batched_decode_attention(
-                q[idx], [segments[i].kv[layer, 0] for i in singles], [segments[i].kv[layer, 1] for i in singles],
-                [segments[i].start for i in singles], self.min_rows,
+            rows = torch.tensor([o for o, _ in singles])
+            out[rows] = batched_decode_attention(
+                q[rows], [s.kv[layer, 0] for _, s in singles], [s.kv[layer, 1] for _, s in singles],
+                [s.start for _, s in singles],
             )
-            for j, i in enumerate(singles):
-                outs[i] = dec[j : j + 1]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)  # type: ignore[arg-type]
+        return out

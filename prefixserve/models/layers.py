@@ -1,27 +1,72 @@
-"""Batch-invariant building blocks (DESIGN.md §3).
+"""Fixed-shape building blocks: the exactness rule (docs/exactness.md).
 
-Every function here gives each row the same bits whatever else is in the batch and however the
-work was split: matmuls run on at least `min_rows` rows (zero rows appended, result sliced), and
-attention runs over key blocks of `BLOCK` keys aligned to absolute positions, summed in a fixed
-sequential order.
+A kernel's bits may depend on the shape of its call (BLAS blocking, vectorised body vs scalar
+tail, thread partitioning), in ways that change with the CPU, the BLAS build and the thread count.
+So no shape-sensitive op is ever called with a shape that depends on batch composition, chunking
+or the split point:
+- dense matmuls and the row-local ops around them run on row tiles whose sizes come from a fixed
+  `TilePlan` (the last tile zero-padded); within a fixed shape a row's bits do not depend on its
+  position or its neighbours, and the start-up self-test verifies that for every tile size in use;
+- attention runs over 32-key blocks aligned to absolute positions, one fixed-size query tile at
+  a time, and combines per-block partials by a fixed tree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 BLOCK = 32  # keys per attention block, aligned to absolute positions
-DEFAULT_MIN_ROWS = 16  # matmul rows at and above which MKL/oneDNN rows are bit-invariant here
+ATTN_TILE_TOKENS = 16  # query tokens per attention call (the last tile padded)
 
 
-def inv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
-    """x: [num_rows, in] -> [num_rows, out]; rows padded to `min_rows` so every row's bits are invariant."""
+@dataclass(frozen=True, slots=True)
+class TilePlan:
+    """Every dense matmul (and the row-local ops around it) is called on exactly `rows` rows; the
+    lm_head, which runs only on rows that need logits (usually one per session), on `head_rows`.
+
+    One size per call site, not several: a row's bits within one call shape do not depend on its
+    position or its neighbours (the self-test checks this), but across row counts they can, and
+    rarely enough that a check on random data passed while real activations differed
+    (docs/exactness.md)."""
+
+    rows: int = 64
+    head_rows: int = 16
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.head_rows < 1:
+            raise ValueError(f"tile rows must be >= 1, not {self.rows} / {self.head_rows}")
+
+    def split(self, num_rows: int) -> list[int]:
+        """Tile sizes covering `num_rows` rows in order (the last one zero-padded). split(0) == []."""
+        return [self.rows] * ((num_rows + self.rows - 1) // self.rows)
+
+    @property
+    def head(self) -> TilePlan:
+        """The plan of the lm_head's call site."""
+        return TilePlan(self.head_rows, self.head_rows)
+
+    def __str__(self) -> str:
+        return f"{self.rows} (lm_head {self.head_rows})"
+
+
+def tiled(x: torch.Tensor, plan: TilePlan, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Apply the row-local `fn` to x: [num_rows, ...] one plan tile at a time (zero rows padded) and
+    return the real rows. Every call of `fn` sees one of the plan's fixed shapes."""
     num_rows = x.shape[0]
-    if num_rows < min_rows:
-        x = torch.cat([x, x.new_zeros(min_rows - num_rows, x.shape[1])])
-        return F.linear(x, weight, bias)[:num_rows]
-    return F.linear(x, weight, bias)
+    tiles = plan.split(num_rows)
+    padded = sum(tiles)
+    if padded > num_rows:
+        x = torch.cat([x, x.new_zeros(padded - num_rows, *x.shape[1:])])
+    outs = []
+    offset = 0
+    for t in tiles:
+        outs.append(fn(x[offset : offset + t]))
+        offset += t
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y[:num_rows]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,23 +76,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [n] int64 -> cos, sin: [n, 1, head_dim] (rotate-half layout), computed in fp32."""
-    freqs = torch.outer(positions.float(), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+class RopeTable:
+    """cos/sin of every position, computed in fixed blocks of ROPE_BLOCK positions (fp32, then cast), so
+    a position's values never depend on which other positions a call asked for."""
+
+    ROPE_BLOCK = 1024
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
+        self.inv_freq = inv_freq
+        self.dtype = dtype
+        self.cos = torch.empty(0, inv_freq.shape[0] * 2, dtype=dtype, device=inv_freq.device)
+        self.sin = self.cos
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [n] int64 -> cos, sin: [n, 1, head_dim] (rotate-half layout)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        while self.cos.shape[0] < need:
+            start = self.cos.shape[0]
+            pos = torch.arange(start, start + self.ROPE_BLOCK, device=self.inv_freq.device).float()
+            freqs = torch.outer(pos, self.inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos = torch.cat([self.cos, emb.cos().to(self.dtype)])
+            self.sin = torch.cat([self.sin, emb.sin().to(self.dtype)])
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [n, heads, head_dim]; elementwise per position, so trivially invariant."""
+    """x: [n, heads, head_dim]; multiplies and adds only (correctly rounded, so row-local)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
-def block_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, min_rows: int
-) -> torch.Tensor:
+def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of `n` new query rows at absolute positions [start, start + n).
 
     q: [n, num_heads, head_dim] (unscaled). Computed in fp32 whatever the model dtype (bf16
@@ -56,42 +117,49 @@ def block_attention(
     (finite), capacity a multiple of BLOCK and >= the block-rounded key length.
     Returns [n, num_heads * head_dim].
 
-    Bits of a row depend only on its own query and keys: scores and P·V are matmuls over exactly
-    BLOCK keys with >= min_rows rows, the row max is exact, exp and the division are elementwise,
-    and the per-block partials are combined by `fixed_tree_sum`, whose result does not change when
-    fully-masked (all-zero) blocks are appended.
+    Queries go in tiles of exactly ATTN_TILE_TOKENS tokens (the last padded with copies of its last
+    real query), so every score and P·V matmul has the same row count; keys go in BLOCK-key blocks
+    aligned to absolute positions; the row max is exact and per-block partials are combined by
+    `fixed_tree_sum`, whose result does not change when fully-masked (all-zero) blocks are appended.
+    So a row's bits depend only on its own query and keys.
     """
+    n = q.shape[0]
+    outs = []
+    for t0 in range(0, n, ATTN_TILE_TOKENS):
+        t1 = min(n, t0 + ATTN_TILE_TOKENS)
+        outs.append(_attention_tile(q[t0:t1], k_cache, v_cache, start + t0))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attention_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """One query tile of <= ATTN_TILE_TOKENS tokens; see block_attention."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     rep = num_heads // num_kv_heads
+    tile = ATTN_TILE_TOKENS
     key_len = start + n
     num_blocks = (key_len + BLOCK - 1) // BLOCK
-    # q rows grouped by kv head: [kv_heads, rep * n, head_dim], row r = (head-in-group, token)
-    out_dtype = q.dtype
-    qg = (q.float() * head_dim**-0.5).view(n, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(num_kv_heads, rep * n, head_dim)
-    num_rows = rep * n
-    if num_rows < min_rows:
-        qg = torch.cat([qg, qg.new_zeros(num_kv_heads, min_rows - num_rows, head_dim)], dim=1)
-    padded_rows = qg.shape[1]
+    if n < tile:  # padded queries repeat the last real one (same position, so no all-masked row)
+        q = torch.cat([q, q[n - 1 :].expand(tile - n, num_heads, head_dim)])
+    # q rows grouped by kv head: [kv_heads, rep * tile, head_dim], row r = (head-in-group, token)
+    qg = (q.float() * head_dim**-0.5).view(tile, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(num_kv_heads, rep * tile, head_dim)
     kb = k_cache[:, : num_blocks * BLOCK].float().view(num_kv_heads, num_blocks, BLOCK, head_dim)
     vb = v_cache[:, : num_blocks * BLOCK].float().view(num_kv_heads, num_blocks, BLOCK, head_dim)
-    scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2))  # [kv_heads, num_blocks, padded_rows, BLOCK]
-    # only blocks at or after the first new position can hold keys in a row's future
+    scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2))  # [kv_heads, num_blocks, rep * tile, BLOCK]
+    # only blocks at or after the tile's first position can hold keys in a row's future
     first = start // BLOCK
-    q_pos = torch.arange(start, key_len).repeat(rep)
-    if padded_rows > num_rows:
-        q_pos = torch.cat([q_pos, q_pos.new_full((padded_rows - num_rows,), key_len - 1)])
+    q_pos = (torch.arange(start, start + tile).clamp(max=key_len - 1)).repeat(rep)
     k_pos = torch.arange(first * BLOCK, num_blocks * BLOCK).view(num_blocks - first, 1, BLOCK)
-    future = k_pos > q_pos.view(1, padded_rows, 1)  # [num_blocks - first, padded_rows, BLOCK]
+    future = k_pos > q_pos.view(1, rep * tile, 1)  # [num_blocks - first, rep * tile, BLOCK]
     scores[:, first:].masked_fill_(future, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)
     e = torch.exp(scores - row_max)
-    den = fixed_tree_sum(e.sum(dim=-1))  # [kv_heads, padded_rows]
-    out = fixed_tree_sum(torch.matmul(e, vb))  # [kv_heads, padded_rows, head_dim]
+    den = fixed_tree_sum(e.sum(dim=-1))  # [kv_heads, rep * tile]
+    out = fixed_tree_sum(torch.matmul(e, vb))  # [kv_heads, rep * tile, head_dim]
     out = out / den.unsqueeze(-1)
-    out = out[:, :num_rows].view(num_kv_heads, rep, n, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(n, num_heads * head_dim).to(out_dtype)
+    out = out.view(num_kv_heads, rep, tile, head_dim)[:, :, :n].permute(2, 0, 1, 3)
+    return out.reshape(n, num_heads * head_dim).to(q.dtype)
 
 
 def fixed_tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -116,20 +184,21 @@ def fixed_tree_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def batched_decode_attention(
-    q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], starts: list[int], min_rows: int
+    q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], starts: list[int]
 ) -> torch.Tensor:
-    """Attention of one new query row for each of S sessions, in one set of ops.
+    """One new query row for each of S sessions, in one set of ops, with for every session the same
+    matrices `block_attention` would multiply for that row alone: its query tile (the row and 15
+    copies), its key blocks, zero blocks appended up to the longest session. Padded keys lie in
+    every row's future (masked, exp gives 0, and P·V over zero values is 0), and `fixed_tree_sum`
+    ignores zero blocks, so each row gets exactly `block_attention`'s bits.
 
     q: [S, num_heads, head_dim]; k_caches[i], v_caches[i]: [num_kv_heads, capacity_i, head_dim] with
     keys [0, starts[i] + 1) valid and zeros after. Returns [S, num_heads * head_dim].
-
-    Sessions are padded with zero blocks to the longest one; padded keys lie in every row's
-    future, so they are masked, and `fixed_tree_sum` ignores the zero blocks. Each row therefore
-    gets exactly the bits `block_attention` would give it alone.
     """
     num_sessions, num_heads, head_dim = q.shape
     num_kv_heads = k_caches[0].shape[0]
     rep = num_heads // num_kv_heads
+    tile = ATTN_TILE_TOKENS
     num_blocks = max((s + 1 + BLOCK - 1) // BLOCK for s in starts)
     keys = num_blocks * BLOCK
     kb = q.new_zeros(num_sessions, num_kv_heads, keys, head_dim, dtype=torch.float32)
@@ -140,20 +209,18 @@ def batched_decode_attention(
         vb[i, :, :own] = v[:, :own]
     kb = kb.view(num_sessions, num_kv_heads, num_blocks, BLOCK, head_dim)
     vb = vb.view(num_sessions, num_kv_heads, num_blocks, BLOCK, head_dim)
-    qg = (q.float() * head_dim**-0.5).view(num_sessions, num_kv_heads, rep, head_dim)
-    rows = max(rep, min_rows)
-    if rows > rep:
-        qg = torch.cat([qg, qg.new_zeros(num_sessions, num_kv_heads, rows - rep, head_dim)], dim=2)
-    scores = torch.matmul(qg.unsqueeze(2), kb.transpose(-1, -2))  # [S, kv_heads, num_blocks, rows, BLOCK]
+    qg = (q.float() * head_dim**-0.5).view(num_sessions, num_kv_heads, rep, 1, head_dim)
+    qg = qg.expand(num_sessions, num_kv_heads, rep, tile, head_dim).reshape(num_sessions, num_kv_heads, rep * tile, head_dim)
+    scores = torch.matmul(qg.unsqueeze(2), kb.transpose(-1, -2))  # [S, kv_heads, num_blocks, rep * tile, BLOCK]
     q_pos = torch.tensor(starts).view(num_sessions, 1, 1, 1, 1)
     k_pos = torch.arange(keys).view(1, 1, num_blocks, 1, BLOCK)
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)
     e = torch.exp(scores - row_max)
     flat = num_sessions * num_kv_heads
-    den = fixed_tree_sum(e.sum(dim=-1).view(flat, num_blocks, rows))  # [S * kv_heads, rows]
-    out = fixed_tree_sum(torch.matmul(e, vb).view(flat, num_blocks, rows, head_dim))
-    out = (out / den.unsqueeze(-1)).view(num_sessions, num_kv_heads, rows, head_dim)[:, :, :rep]
+    den = fixed_tree_sum(e.sum(dim=-1).view(flat, num_blocks, rep * tile))  # [S * kv_heads, rows]
+    out = fixed_tree_sum(torch.matmul(e, vb).view(flat, num_blocks, rep * tile, head_dim))
+    out = (out / den.unsqueeze(-1)).view(num_sessions, num_kv_heads, rep, tile, head_dim)[:, :, :, 0]
     return out.reshape(num_sessions, num_heads * head_dim).to(q.dtype)
 
 

@@ -12,7 +12,7 @@ from prefixserve.models import quant
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder
 from prefixserve.models.gguf_loader import GGUFModel
-from prefixserve.models.layers import DEFAULT_MIN_ROWS
+from prefixserve.models.layers import TilePlan
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_folder, load_tokenizer_gguf
 from prefixserve.models.weights import attach_int4, build_decoder
 
@@ -73,7 +73,7 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: str = "cpu", min_rows: int = DEFAULT_MIN_ROWS,
+    path: str | None, dtype: torch.dtype, device: str = "cpu", tiles: TilePlan | None = None,
     decode_kernel: str = "auto",
 ) -> LoadedModel:
     """Load a GGUF file or an HF folder. Raises ModelLoadError (never a bare traceback) on bad input.
@@ -93,18 +93,18 @@ def load_model(
         if decode_kernel == "int4":
             raise ModelLoadError("decode kernel int4 needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights")
         hf = HFModel(path)
-        decoder = build_decoder(hf.arch, hf.tensor, dtype, device, min_rows)
+        decoder = build_decoder(hf.arch, hf.tensor, dtype, device, tiles or TilePlan())
         return LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
     gm = GGUFModel(path)
-    decoder = gguf_decoder(gm, dtype, device, min_rows, decode_kernel)
+    decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel)
     return LoadedModel(decoder, load_tokenizer_gguf(path), gm.arch, name, path)
 
 
-def gguf_decoder(gm: GGUFModel, dtype: torch.dtype, device: str, min_rows: int, decode_kernel: str) -> Decoder:
+def gguf_decoder(gm: GGUFModel, dtype: torch.dtype, device: str, tiles: TilePlan, decode_kernel: str) -> Decoder:
     """The decoder of an opened GGUF file, with 4-bit decode weights as `decode_kernel` asks."""
-    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, min_rows)
+    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, tiles)
     if decode_kernel == "dense":
         return decoder
     if not quant.available(dtype, device):

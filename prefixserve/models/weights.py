@@ -8,13 +8,14 @@ import torch
 
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder, LayerWeights
+from prefixserve.models.layers import TilePlan
 from prefixserve.models.quant import Codes, Int4Weight, pack
 
 GetTensor = Callable[[str], "torch.Tensor | None"]  # HF name -> fp32 tensor, or None when absent
 GetCodes = Callable[[str], "list[Codes] | None"]  # HF name -> 4-bit codes (models/quant.py), or None
 
 
-def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: str, min_rows: int) -> Decoder:
+def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: str, tiles: TilePlan) -> Decoder:
     """Assemble a Decoder from HF-named tensors. Raises ModelLoadError naming a missing or misshapen tensor."""
 
     def need(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -63,7 +64,7 @@ def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: 
     else:
         lm_head = cast(need("lm_head.weight", (arch.vocab_size, hid)))
     final_norm = cast(need("model.norm.weight", (hid,)))
-    return Decoder(arch, embed, layers, final_norm, lm_head, min_rows)
+    return Decoder(arch, embed, layers, final_norm, lm_head, tiles)
 
 
 def attach_int4(decoder: Decoder, get: GetCodes) -> int:

@@ -1,8 +1,11 @@
-"""Start-up self-test: is the runtime split- and batch-invariant on THIS machine (DESIGN.md §3)?
+"""Start-up self-test: verify, on THIS machine, the exact kernel calls the runtime makes.
 
-The row-count threshold above which matmul rows are bit-invariant depends on the CPU, the BLAS
-build and the thread count, so it is checked where the server runs. If the configured min_rows
-fails, larger ones are tried; if none holds, the caller must refuse cross-request reuse.
+A kernel's bits can depend on its call shape in ways that change with the CPU, the BLAS build and
+the thread count (docs/exactness.md). The runtime therefore calls every dense matmul with one row
+count only (a `TilePlan`); this test checks, for each weight shape in use, that a row's bits do not
+depend on its position in the tile or on its neighbours, that the 4-bit decode kernel's rows do not
+depend on the row count, and then the end-to-end split, batch and decode checks. It takes the first
+candidate plan that passes; where none does, the caller must refuse cross-request reuse.
 """
 
 from __future__ import annotations
@@ -11,23 +14,112 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from prefixserve.models.decoder import Decoder
+from prefixserve.models.layers import TilePlan
+from prefixserve.models.quant import Int4Weight, int4_linear
 from prefixserve.runner.runner import ModelRunner, StepItem
 from prefixserve.runner.state import SessionState
 
-CANDIDATE_MIN_ROWS = (16, 32, 64)
+# In order of preference (docs/exactness.md): 64 rows keeps a short suffix (a partial hit) cheap
+# while long prompts still run efficient matmuls; the others are fallbacks should 64 fail somewhere.
+CANDIDATE_PLANS = (TilePlan(64, 16), TilePlan(128, 16), TilePlan(32, 32), TilePlan(16, 16))
+MAX_DECODE_ROWS = 16  # 4-bit decode rows are checked for every row count 1..this
 
 
 @dataclass(frozen=True, slots=True)
 class SelfTestResult:
     ok: bool
-    min_rows: int
-    detail: str
+    tiles: str  # rows of the chosen TilePlan, e.g. "64"
+    decode_kernel: str  # "int4" or "dense"
+    detail: str  # what was chosen and why, for logs and /health
     seconds: float
 
 
-def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234) -> bool:
-    """True when last logits agree bitwise for one-shot, split, token-wise and batched runs."""
+def self_test(runner: ModelRunner) -> SelfTestResult:
+    """Pick the fastest candidate plan (and decode kernel) that passes; sets them on the decoder.
+
+    Tries 4-bit decode rows first where the model has them; if they fail, falls back to dense decode
+    (the prefill path) and says so. Mutates runner.decoder (tiles, possibly its 4-bit weights)."""
+    t0 = time.perf_counter()
+    dec = runner.decoder
+    notes: list[str] = []
+    if dec.int4_decode:
+        why = check_int4_rows(dec)
+        if why:
+            notes.append(f"4-bit decode refused ({why}); decode rows run the dense prefill path")
+            dec.drop_int4()
+    candidates = CANDIDATE_PLANS if dec.tiles in CANDIDATE_PLANS else (dec.tiles, *CANDIDATE_PLANS)
+    for plan in candidates:
+        dec.tiles = plan
+        why = check_tile_rows(dec, plan)
+        if not why:
+            why = check_invariance(runner)
+            if why and dec.int4_decode and why.startswith("decode"):
+                notes.append(f"4-bit decode refused ({why}); decode rows run the dense prefill path")
+                dec.drop_int4()
+                why = check_invariance(runner)
+        if not why:
+            notes.insert(0, f"exact: {dec.dtype} matmuls in row tiles {plan}, decode kernel {dec.decode_kernel}, "
+                            f"{torch.get_num_threads()} threads")
+            return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
+        notes.append(f"tiles {plan} refused: {why}")
+    dec.tiles = candidates[-1]
+    notes.insert(0, "NOT exact on this machine; cross-request reuse is disabled")
+    return SelfTestResult(False, str(dec.tiles), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
+
+
+def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
+    """'' when, for every dense weight shape the runtime multiplies, a row's bits are the same at every
+    position of its tile (`plan.rows` rows; the lm_head's `plan.head_rows`) with any neighbours; else what failed. A random tile, then
+    permutations of it (every row visits other positions beside other neighbours), and one row
+    beside all-zero neighbours (the padding of a last tile)."""
+    g = torch.Generator().manual_seed(seed)
+    lw = dec.layers[0]
+    weights: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = [
+        ("qkv", lw.qkv, lw.qkv_bias, plan.rows), ("o_proj", lw.o_proj, None, plan.rows),
+        ("gate_up", lw.gate_up, None, plan.rows), ("down", lw.down, None, plan.rows),
+    ]
+    if dec.lm_head_q4 is None:
+        weights.append(("lm_head", dec.lm_head, None, plan.head_rows))
+    for name, w, bias, size in weights:
+        x = torch.randn(size, w.shape[1], generator=g).to(dec.dtype).to(dec.device)
+        y = F.linear(x, w, bias)
+        for perm in _perms(size, g):
+            if not torch.equal(F.linear(x[perm], w, bias), y[perm]):
+                return f"{name}: a row's bits depend on its position in a {size}-row tile"
+        lone = torch.zeros_like(x)
+        lone[size // 3] = x[0]
+        if not torch.equal(F.linear(lone, w, bias)[size // 3], y[0]):
+            return f"{name}: a row's bits depend on its neighbours in a {size}-row tile"
+    return ""
+
+
+def check_int4_rows(dec: Decoder, seed: int = 11) -> str:
+    """'' when every 4-bit weight's rows have the same bits for 1..MAX_DECODE_ROWS rows at any offset."""
+    g = torch.Generator().manual_seed(seed)
+    lw = dec.layers[0]
+    named: list[tuple[str, Int4Weight | None]] = [
+        ("qkv", lw.qkv_q4), ("o_proj", lw.o_q4), ("gate_up", lw.gate_up_q4), ("down", lw.down_q4),
+        ("lm_head", dec.lm_head_q4),
+    ]
+    for name, w in named:
+        if w is None:
+            continue
+        k = w.parts[0][1].shape[0] * 32  # scales_and_zeros: [K / GROUP, N_pad, 2]
+        x = torch.randn(MAX_DECODE_ROWS + 3, k, generator=g).to(torch.bfloat16)
+        full = int4_linear(x, w)
+        for rows in range(1, MAX_DECODE_ROWS + 1):
+            for offset in {0, 3 - rows % 4, x.shape[0] - rows}:
+                if not torch.equal(int4_linear(x[offset : offset + rows], w), full[offset : offset + rows]):
+                    return f"{name}: 4-bit rows differ with {rows} rows in the call"
+    return ""
+
+
+def check_invariance(runner: ModelRunner, num_tokens: int = 80, seed: int = 1234) -> str:
+    """'' when last logits agree bitwise for one-shot, split, token-wise and batched runs, and decode
+    rows agree alone and batched (and equal prefill where decode runs the prefill path); else what failed."""
     g = torch.Generator().manual_seed(seed)
     vocab = runner.decoder.arch.vocab_size
     ids = torch.randint(0, vocab, (num_tokens,), generator=g).tolist()
@@ -43,10 +135,11 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234
         return st
 
     alone = run([])
-    ref = alone.logits.clone()  # type: ignore[union-attr]
-    for splits in ([1], [29], [num_tokens - 1], [5, 6, 33]):
+    ref = alone.logits
+    assert ref is not None
+    for splits in ([1], [29], [num_tokens - 1], [5, 6, 33], [65]):
         if not torch.equal(run(splits).logits, ref):  # type: ignore[arg-type]
-            return False
+            return f"split at {splits}: logits differ"
     st = runner.new_state()
     runner.step([StepItem(st, ids[:-1])])
     o1 = runner.new_state()
@@ -54,9 +147,8 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234
     o2 = runner.new_state()
     runner.step([StepItem(o1, other[-2:-1]), StepItem(st, ids[-1:]), StepItem(o2, other, want_logits=False)])
     if not torch.equal(st.logits, ref):  # type: ignore[arg-type]
-        return False
-    # decode rows (4-bit kernels where the model has them): alone vs among other decode rows and
-    # a prefill chunk
+        return "batched with other sessions: logits differ"
+    # decode rows: alone vs among other decode rows and a prefill chunk
     token = int(torch.argmax(ref))
     runner.step([StepItem(alone, [token], decode=True)])
     o3 = runner.new_state()
@@ -66,21 +158,18 @@ def check_invariance(runner: ModelRunner, num_tokens: int = 48, seed: int = 1234
         StepItem(o4, other[:9]), StepItem(o3, [other[-4]], decode=True), StepItem(st, [token], decode=True),
         StepItem(o1, [other[-1]], decode=True),
     ])
-    return torch.equal(st.logits, alone.logits)  # type: ignore[arg-type]
+    if not torch.equal(st.logits, alone.logits):  # type: ignore[arg-type]
+        return "decode rows: logits differ alone and batched"
+    if runner.decoder.decode_matches_prefill:
+        pre = runner.new_state()
+        runner.step([StepItem(pre, [*ids, token])])
+        if not (torch.equal(pre.logits, alone.logits)  # type: ignore[arg-type]
+                and torch.equal(pre.kv[:, :, :, : num_tokens + 1], alone.kv[:, :, :, : num_tokens + 1])):
+            return "decode state differs from the prefill state"
+    return ""
 
 
-def self_test(runner: ModelRunner) -> SelfTestResult:
-    """Find the smallest candidate min_rows for which the runtime is invariant; sets it on the decoder."""
-    t0 = time.perf_counter()
-    tried = []
-    for min_rows in sorted({runner.decoder.min_rows, *CANDIDATE_MIN_ROWS}):
-        if min_rows < runner.decoder.min_rows:
-            continue
-        runner.decoder.min_rows = min_rows
-        if check_invariance(runner):
-            detail = f"split/batch invariant with matmuls padded to {min_rows} rows"
-            return SelfTestResult(True, min_rows, detail, time.perf_counter() - t0)
-        tried.append(min_rows)
-    runner.decoder.min_rows = CANDIDATE_MIN_ROWS[0]
-    detail = f"NOT invariant on this machine (tried min_rows {tried}); cross-request reuse is disabled"
-    return SelfTestResult(False, runner.decoder.min_rows, detail, time.perf_counter() - t0)
+def _perms(size: int, g: torch.Generator) -> list[torch.Tensor]:
+    """A cyclic shift, the reversal and a random permutation of range(size)."""
+    idx = torch.arange(size)
+    return [torch.roll(idx, 1), idx.flip(0), torch.randperm(size, generator=g)]

@@ -82,6 +82,8 @@ def create_app(
             "exact_reuse": h.exact_reuse,
             "decode_kernel": h.decode_kernel,
             "system_fingerprint": h.fingerprint,
+            "dtype": h.dtype,
+            "tiles": h.tiles,
             "detail": h.detail,
             "running": h.num_running,
             "waiting": h.num_waiting,

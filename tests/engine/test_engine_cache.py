@@ -6,6 +6,7 @@ import asyncio
 import uuid
 
 import pytest
+import torch
 
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
@@ -82,7 +83,11 @@ def test_learning_sequence_and_exact_outputs():
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int4"])
-def test_next_chat_turn_hits_its_own_history(mode):
+@pytest.mark.parametrize("think", [True, False])
+def test_next_chat_turn_hits_its_own_history(mode, think):
+    """Turn 2 hits turn 1's prompt AND reply in every mode: dense decode states are exact as they
+    are; 4-bit decoded replies are re-fed by prefill (at once when the engine is idle, `think`; or
+    when turn 2 arrives first, before turn 2's lookup) and the entry is bitwise a fresh prefill."""
     engine = make_engine(1 << 30, mode)
     plain = make_engine(0, mode)
     tok = engine.tokenizer
@@ -91,6 +96,12 @@ def test_next_chat_turn_hits_its_own_history(mode):
 
     async def go():
         out, u1 = await run(engine, tok.render_chat(first), ns, max_tokens=24)
+        if think:  # a person reads the reply before answering: the refill runs while the engine idles
+            for _ in range(200):
+                if not engine.core.refills:
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.core.refills
         reply = tok.decode(out)
         second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Thanks."}]
         ids2 = tok.render_chat(second)
@@ -98,15 +109,22 @@ def test_next_chat_turn_hits_its_own_history(mode):
         ref2, _ = await run(plain, ids2, ns)
         await engine.shutdown()
         await plain.shutdown()
-        return u1, u2, len(tok.render_chat(first)), len(out), out2 == ref2
+        return u1, u2, tok.render_chat(first), out, out2 == ref2
 
-    u1, u2, prompt_len, reply_len, same = asyncio.run(go())
+    u1, u2, ids1, out, same = asyncio.run(go())
     assert u1.cached_tokens == 0
-    if mode == "bf16":  # dense decode: the reply's KV is as good as a prefill's, so the turn was cached
-        assert u2.cached_tokens >= prompt_len + reply_len - 2  # minus the reply's last, unfed token
-    else:  # 4-bit decode: the reply's KV has other bits than a recomputation, so only the prompt hits
-        assert u2.cached_tokens == prompt_len
-    assert same  # and either way the cached second turn answers exactly like an uncached one
+    assert u2.cached_tokens >= len(ids1) + len(out) - 2  # the reply's tail may re-tokenise differently
+    assert same  # and the cached second turn answers exactly like an uncached one
+    # the turn's entry holds exactly the state a fresh prefill of prompt + reply gives
+    turn = tuple(ids1) + tuple(out if mode == "int4" else out[:-1])
+    hit = engine.core.cache.lookup(ns, turn + (0,))
+    assert hit.num_cached_tokens == len(turn)
+    _, runner = load_embedded(mode)
+    fresh = runner.new_state()
+    runner.prefill(fresh, list(turn), 128)
+    restored = hit.entry.state.restore(len(turn), 0)
+    assert torch.equal(restored.kv[:, :, :, : len(turn)], fresh.kv[:, :, :, : len(turn)])
+    assert engine.core.cache.check_integrity() is None
 
 
 def test_concurrent_sessions_share_one_entry_and_stay_exact():

@@ -1,4 +1,4 @@
-"""The exactness contract (DESIGN.md §3) on the real embedded model, in every dtype the runtime offers.
+"""The exactness contract (docs/exactness.md) on the real embedded model, in every mode the runtime offers.
 
 Resuming from a snapshot at any depth is bitwise identical to a run from scratch; decode states
 equal prefill states (dense decode); a session's bits do not depend on its batch (every mode,
@@ -7,15 +7,23 @@ equal prefill states (dense decode); a session's bits do not depend on its batch
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from prefixserve.models.layers import BLOCK
 from prefixserve.runner import ModelRunner, StepItem
+from tests.conftest import load_embedded, server_default_mode
 from tests.runner.prompts import chat_prompts
 
 pytestmark = pytest.mark.slow
 NUM_GREEDY = 32
+# The mode the server picks here by default (bf16 with 4-bit decode rows on these CPUs) always runs
+# all 16 prompts. Modes only a flag selects (fp32; bf16 with dense decode when 4-bit is accepted)
+# decode through 64-row tiles and 16-token attention tiles, 3-4x slower per step: `make test` runs 6
+# of the 16 prompts for them, `make soak` all 16.
+SOAK = os.environ.get("SOAK", "") not in ("", "0")
 
 
 def greedy_from(runner: ModelRunner, states: list, num_tokens: int) -> list[list[int]]:
@@ -37,30 +45,37 @@ def depths_for(n: int) -> list[int]:
 
 
 def test_resume_from_snapshot_is_bitwise_exact(embedded):
+    """16 prompts x >= 16 depths: resumed from a snapshot, the rest of the prompt fed in one batched
+    step, then 32 greedy tokens (all resumed states decoding together) == a run from scratch."""
     model, runner = embedded
     prompts = chat_prompts(model.tokenizer, 16)
     assert len(prompts) >= 16
-    for ids in prompts:
-        ref = runner.new_state()
-        runner.prefill(ref, ids, 256)
-        ref_logits = ref.logits.clone()
-        ref_tokens = greedy_from(runner, [ref], NUM_GREEDY)[0]
-
+    if not SOAK and runner is not load_embedded(server_default_mode())[1]:
+        prompts = prompts[::3][:6]
+    refs = []
+    for ids in prompts:  # from scratch: each prompt in one call
+        st = runner.new_state()
+        runner.prefill(st, ids, 256)
+        refs.append(st)
+    ref_logits = [st.logits.clone() for st in refs]
+    ref_tokens = greedy_from(runner, refs, NUM_GREEDY)
+    del refs
+    resumed, where = [], []
+    for p, ids in enumerate(prompts):
         full = runner.new_state()
-        runner.prefill(full, ids, 64)
+        runner.prefill(full, ids, 64)  # the snapshot's source was chunked differently
+        snap_full = full.snapshot()
         depths = depths_for(len(ids))
         assert len(depths) >= 16
-        resumed = []
-        snap_full = full.snapshot()
-        for d in depths:
-            st = snap_full.restore(d, len(ids) - d + NUM_GREEDY)
-            resumed.append(st)
-        # the rest of every prompt in ONE batched step (different lengths), then batched decode
-        runner.step([StepItem(st, ids[d:]) for st, d in zip(resumed, depths)])
-        for st, d in zip(resumed, depths):
-            assert torch.equal(st.logits, ref_logits), f"depth {d} of {len(ids)}: logits differ"
-        for toks, d in zip(greedy_from(runner, resumed, NUM_GREEDY), depths):
-            assert toks == ref_tokens, f"depth {d} of {len(ids)}: greedy tokens differ"
+        states = [snap_full.restore(d, len(ids) - d + NUM_GREEDY) for d in depths]
+        # the rest of every prompt in ONE batched step (different lengths)
+        runner.step([StepItem(st, ids[d:]) for st, d in zip(states, depths)])
+        for st, d in zip(states, depths):
+            assert torch.equal(st.logits, ref_logits[p]), f"prompt {p}, depth {d} of {len(ids)}: logits differ"
+        resumed += states
+        where += [(p, d) for d in depths]
+    for toks, (p, d) in zip(greedy_from(runner, resumed, NUM_GREEDY), where):
+        assert toks == ref_tokens[p], f"prompt {p}, depth {d}: greedy tokens differ"
 
 
 def test_full_prompt_snapshot_needs_no_forward(embedded):

@@ -8,6 +8,7 @@ import torch
 
 from prefixserve.models.arch import ModelLoadError
 from prefixserve.models.gguf_loader import GGUFModel
+from prefixserve.models.layers import TilePlan
 from prefixserve.models.weights import build_decoder
 from prefixserve.runner import ModelRunner, StepItem
 from tests.runner.test_reference import TINY, make_tiny
@@ -84,7 +85,7 @@ def test_f32_gguf_matches_transformers(tmp_path):
     write_tiny_gguf(str(tmp_path / "tiny.gguf"), ref)
     gm = GGUFModel(str(tmp_path / "tiny.gguf"))
     assert gm.arch.num_layers == TINY["num_hidden_layers"] and not gm.arch.tie_embeddings
-    runner = ModelRunner(build_decoder(gm.arch, gm.tensor, torch.float32, "cpu", 16))
+    runner = ModelRunner(build_decoder(gm.arch, gm.tensor, torch.float32, "cpu", TilePlan()))
     ids = torch.randint(0, TINY["vocab_size"], (50,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = ref(ids[None]).logits[0, -1]
@@ -103,7 +104,7 @@ def test_quantised_types_dequantise_exactly(tmp_path, qtype):
         got = gm.tensor(name)
         assert got is not None, name
         assert torch.equal(got, torch.from_numpy(np.asarray(arr, dtype=np.float32))), name
-    build_decoder(gm.arch, gm.tensor, torch.float32, "cpu", 16)  # assembles without error
+    build_decoder(gm.arch, gm.tensor, torch.float32, "cpu", TilePlan())  # assembles without error
 
 
 def test_unsupported_type_is_named(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from prefixserve.models.arch import ModelLoadError
 from prefixserve.models.gguf_loader import GGUFModel
+from prefixserve.models.layers import TilePlan
 from prefixserve.models.loader import gguf_decoder
 from prefixserve.models.quant import Codes, dequantize, int4_linear, pack
 from prefixserve.runner import ModelRunner, StepItem
@@ -29,7 +30,7 @@ def tiny_q4(tmp_path_factory):
 
 
 def load(path: str, dtype: torch.dtype, decode_kernel: str = "auto"):
-    return gguf_decoder(GGUFModel(path), dtype, "cpu", 16, decode_kernel)
+    return gguf_decoder(GGUFModel(path), dtype, "cpu", TilePlan(), decode_kernel)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])

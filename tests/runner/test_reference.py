@@ -10,6 +10,7 @@ import torch
 
 from prefixserve.models.arch import ModelLoadError
 from prefixserve.models.hf_loader import HFModel
+from prefixserve.models.layers import TilePlan
 from prefixserve.models.weights import build_decoder
 from prefixserve.runner import ModelRunner, StepItem
 
@@ -46,7 +47,7 @@ def test_matches_transformers_within_1e4(tmp_path, kind, tied):
     ref = make_tiny(kind, str(tmp_path), tie_word_embeddings=tied)
     hf = HFModel(str(tmp_path))
     assert hf.arch.qkv_bias == (kind == "qwen2") and hf.arch.qk_norm == (kind == "qwen3")
-    runner = ModelRunner(build_decoder(hf.arch, hf.tensor, torch.float32, "cpu", 16))
+    runner = ModelRunner(build_decoder(hf.arch, hf.tensor, torch.float32, "cpu", TilePlan()))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, TINY["vocab_size"], (70,), generator=g)
     with torch.no_grad():

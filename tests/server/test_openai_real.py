@@ -286,6 +286,42 @@ def test_cache_hits_are_bit_exact_against_a_server_without_cache(
     assert [r.usage.completion_tokens for r in hits] == [r.usage.completion_tokens for r in ref]
 
 
+def test_exact_under_concurrent_load_with_nested_system_prompts(
+    server: ServerProcess, nocache: ServerProcess
+) -> None:
+    """16 prompts whose system prompts extend one another (partial hits at many depths), sent 8 at a
+    time beside two other streaming clients, twice: every answer equals a cache-less server's
+    answering them one by one (docs/exactness.md)."""
+    systems = [SYSTEM + "".join(f"\nExtra rule {k}: {RULES[k % len(RULES)]} on deck {k}." for k in range(i))
+               for i in range(16)]
+    prompts = [(systems[i], QUESTIONS[i]) for i in range(16)]
+    ref = [chat(nocache, q, system=sy, max_tokens=24).choices[0].message.content for sy, q in prompts]
+    stop = threading.Event()
+
+    def background(k: int) -> None:  # other traffic: another tenant, streaming, other prompts
+        while not stop.is_set():
+            s = client(server, KEY_B).chat.completions.create(
+                model=model_id(server), messages=[{"role": "user", "content": f"Tell me a story about ship {k}."}],
+                max_tokens=16, temperature=0, stream=True)
+            for _ in s:
+                pass
+
+    threads = [threading.Thread(target=background, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(2):
+                got = list(pool.map(lambda p: chat(server, p[1], system=p[0], max_tokens=24), prompts))
+                assert [r.choices[0].message.content for r in got] == ref
+                assert all(0 <= cached(r) <= r.usage.prompt_tokens for r in got)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert sum(cached(r) for r in got) > 16 * 500  # the second pass hits
+
+
 BAD_CALLS: list[tuple[str, dict[str, Any], str | None]] = [
     ("chat", {"n": 17}, "n"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
