@@ -23,7 +23,26 @@ class Namespace:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """Constrained decoding: every sampled token keeps the output a prefix of the grammar's language,
+    and the request finishes when the grammar is complete (engine/grammar.py compiles it).
+
+    kind "json_schema": `source` is a JSON schema (as a JSON string); "json_object": any JSON object
+    (`source` unused); "lark": `source` is a Lark grammar in llguidance's dialect."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "json_object", "lark"):
+            raise ValueError(f"unknown constraint kind {self.kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How to pick each token. Penalties and logit_bias shift the fp32 logits before temperature
+    (OpenAI's definitions); logprobs are always of the raw logits (log_softmax before any of it)."""
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -32,6 +51,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # -= p for every token already generated
+    frequency_penalty: float = 0.0  # -= f * (times it was generated)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    num_logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,10 +66,17 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError("penalties must be in [-2, 2]")
+        if self.num_logprobs is not None and not 0 <= self.num_logprobs <= 20:
+            raise ValueError("num_logprobs must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+MAX_CHOICES = 16  # n per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +85,22 @@ class Request:
     namespace: Namespace
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_choices: int = 1  # n: the prompt is prefilled once, each choice continues from its own copy
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_choices <= MAX_CHOICES:
+            raise ValueError(f"num_choices must be in [1, {MAX_CHOICES}]")
+
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and the `top` most likely tokens at its position,
+    most likely first. From the fp32 logits that sampled it."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +118,18 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """One step of a request's output stream. The last delta has finish_reason set; every delta
-    carries the usage so far (a first delta with no tokens reports the cached tokens at admission)."""
+    """One step of one choice's output stream. Each choice's last delta has finish_reason set; every
+    delta carries the usage so far of the whole request (all choices: the prompt counted once), so
+    the last delta of the request carries its total. A first delta with no tokens reports the cached
+    tokens at admission."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    index: int = 0  # the choice (0 .. num_choices - 1)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 class PromptTooLong(ValueError):

@@ -11,7 +11,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         bench_cache(quick=args.quick, num_threads=args.threads, only=getattr(args, "only", None))
         return 0
-    from prefixserve.benchmarks.engine import bench_engine
+    from prefixserve.benchmarks.engine import bench_constrained, bench_engine
 
     bench_engine(quick=args.quick, num_threads=args.threads)
+    bench_constrained(quick=args.quick)
     return 0

@@ -170,3 +170,65 @@ def reference_model(dtype: torch.dtype):  # -> transformers.LlamaForCausalLM
             state[name] = t
     model.load_state_dict(state, strict=False)
     return cast(Any, model).to(dtype).eval()
+
+
+def bench_constrained(quick: bool = False, print_fn: Callable[[str], object] = print) -> None:
+    """Decode tokens/s of one session through the engine (bf16, the default decode kernel), free
+    and under a JSON schema (llguidance masks, engine/grammar.py); the prompt's prefill is excluded."""
+    import json
+
+    from prefixserve.cache import PrefixCache
+    from prefixserve.config import CacheConfig, EngineConfig
+    from prefixserve.engine import EngineCore
+    from prefixserve.types import Constraint, Delta, Namespace, Request, SamplingParams
+
+    m = load_model(None, torch.bfloat16)
+    stamps: list[tuple[float, int]] = []
+
+    def emit(request_id: str, delta: Delta) -> None:
+        if delta.token_ids:
+            stamps.append((time.perf_counter(), len(delta.token_ids)))
+
+    core = EngineCore(ModelRunner(m.decoder), m.tokenizer, PrefixCache(CacheConfig(max_bytes=0)), EngineConfig(),
+                      2048, emit)
+    schema: dict[str, object] = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string"}},
+                                               "count": {"type": "integer"}}, "required": ["names", "count"]}
+    ids = tuple(m.tokenizer.render_chat([{"role": "user", "content": "List ten first names as JSON."}]))
+    max_tokens = 32 if quick else 96
+    for label, constraint in (("free", None), ("json_schema", Constraint("json_schema", json.dumps(schema)))):
+        rates = []
+        for rep in range(-1, 2 if quick else 3):  # rep -1 warms up (first calls, the grammar's tokenizer)
+            stamps.clear()
+            sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=rep, ignore_eos=constraint is None,
+                                constraint=constraint)
+            core.add(Request(f"{label}-{rep}", Namespace("bench", "bench"), ids, sp))
+            while core.has_work():
+                core.step()
+            num_tokens = sum(n for _, n in stamps) - 1  # tokens after the first (which follows the prefill)
+            if num_tokens > 0 and rep >= 0:
+                rates.append(num_tokens / (stamps[-1][0] - stamps[0][0]))
+        print_fn(f"decode with {label:>11}: {statistics.median(rates):6.1f} tokens/s "
+                 f"(median of {len(rates)} runs of up to {max_tokens} tokens)")
+    _bench_mask(core, schema, print_fn)
+
+
+def _bench_mask(core: Any, schema: dict[str, object], print_fn: Callable[[str], object]) -> None:
+    """The grammar's own cost per token (mask, apply, advance), replaying one valid output: robust
+    to a loaded machine, unlike the decode rates above."""
+    import json
+
+    from prefixserve.runner import adjust_logits
+    from prefixserve.types import Constraint, SamplingParams
+
+    text = json.dumps({"names": ["Alice", "Bob", "Carol", "Dave", "Eve"], "count": 5}, separators=(",", ":"))
+    ids = core.tokenizer.hf.encode(text, add_special_tokens=False)
+    logits = torch.zeros(core.runner.decoder.arch.vocab_size)
+    times = []
+    for _ in range(5):
+        matcher = core.grammars().matcher(Constraint("json_schema", json.dumps(schema)))
+        for t in ids:
+            t0 = time.perf_counter()
+            adjust_logits(logits, SamplingParams(), (), matcher.allowed())
+            matcher.consume(t)
+            times.append(time.perf_counter() - t0)
+    print_fn(f"grammar mask + apply + advance: {1e6 * statistics.median(times):.0f} us per token (median)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
@@ -29,7 +30,8 @@ def build_engine(
     except BaseException:
         thread.close()
         raise
-    return AsyncEngine(core, model_id, tokenizer, detail, vocab_size, thread)
+    source = os.path.abspath(model_config.path) if model_config.path else "embedded"
+    return AsyncEngine(core, model_id, tokenizer, detail, vocab_size, thread, model_source=source)
 
 
 def _build_core(

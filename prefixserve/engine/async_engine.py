@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import queue
 import threading
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from prefixserve.engine import control
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
 from prefixserve.types import (
@@ -90,13 +92,14 @@ class AsyncEngine:
     """
 
     def __init__(self, core: EngineCore, model_id: str, tokenizer: TokenizerLike, selftest_detail: str,
-                 vocab_size: int, thread: TorchThread | None = None) -> None:
+                 vocab_size: int, thread: TorchThread | None = None, model_source: str = "") -> None:
         self.core = core
         self.model_id = model_id
         self.max_model_len = core.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._selftest_detail = selftest_detail
+        self._model_source = model_source  # the weights' path (fingerprinted), "" when not known
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]]] = {}
@@ -130,17 +133,19 @@ class AsyncEngine:
                 raise InvalidRequest(f"request id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
         self._submit("add", request)
-        finished = False
+        finished = False  # every choice finished, or the request failed
+        num_left = request.num_choices
         try:
             while True:
                 delta = await q.get()
                 if delta.finish_reason is not None:
-                    finished = True
+                    num_left -= 1
+                    finished = num_left == 0 or delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
                 yield delta
                 if finished:
                     return
         finally:
-            if not finished:
+            if num_left > 0:  # the client went away, or one choice failed: stop the others
                 self._submit("abort", rid)
             with self._lock:
                 self._streams.pop(rid, None)
@@ -181,9 +186,18 @@ class AsyncEngine:
             num_running=self.core.num_running(),
             num_waiting=self.core.num_waiting(),
             decode_kernel=self.core.runner.decoder.decode_kernel,
+            fingerprint=self.fingerprint(),
             dtype=str(self.core.runner.decoder.dtype).removeprefix("torch."),
             tiles=str(self.core.runner.decoder.tiles),
         )
+
+    def fingerprint(self) -> str:
+        """`system_fingerprint`: a digest of everything that decides the bits of an output here (the
+        model, its dtype, the decode kernel, the self-test's verdict and row padding)."""
+        d = self.core.runner.decoder
+        parts = (self.model_id, self._model_source, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
+                 str(d.tiles), str(self.core.exact_reuse), self._selftest_detail)
+        return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:
         """The engine thread's latest snapshot (at most METRICS_EVERY_S old): the cache and counters
@@ -265,7 +279,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         """The engine loop. A failed step fails only the requests it concerns (EngineCore.
-        on_step_failure); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
+        control.recover); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
         in a row, stops the engine: /health turns 503 and every open request ends with the error."""
         failed_in_a_row = 0
         try:
@@ -286,10 +300,10 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     self._last_failure = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"
                     if failed_in_a_row >= MAX_FAILED_STEPS:
-                        self.core.fail_all(message)
+                        self.core.abort_all(FinishReason.ERROR, error=message)
                         failed_in_a_row = 0
                     else:
-                        self.core.on_step_failure(message)
+                        control.recover(self.core, message)
         except Exception as e:  # the loop itself broke: nothing can be trusted to run any more
             log.exception("the engine loop stopped")
             self._die(f"{type(e).__name__}: {e}")

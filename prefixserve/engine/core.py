@@ -15,14 +15,31 @@ from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
 from prefixserve.cache.shared import SharedTier
 from prefixserve.config import EngineConfig
+from prefixserve.engine import control, inserts
+from prefixserve.engine.choices import fork_choices
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.disk_loads import DiskLoads
-from prefixserve.engine.protocol import FlushReport, TierFlush, TokenizerLike
+from prefixserve.engine.grammar import GrammarCompiler
+from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
 from prefixserve.engine.session import Phase, Session
-from prefixserve.runner import ModelRunner, SessionState, StepItem, make_generator, sample
+from prefixserve.runner import (
+    ModelRunner,
+    StepItem,
+    adjust_logits,
+    make_generator,
+    sample,
+    token_logprob,
+)
 from prefixserve.runner.pieces import PieceStore
-from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Request
+from prefixserve.types import (
+    Delta,
+    FinishReason,
+    FlushScope,
+    InvalidRequest,
+    Request,
+    TokenLogprob,
+)
 
 log = logging.getLogger("prefixserve.engine")
 
@@ -66,11 +83,12 @@ class EngineCore:
         self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
-        self._pending: dict[str, int] = {}  # request_id -> sampled token not yet fed to the model
-        self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (faults)
+        self._pending: dict[tuple[str, int], int] = {}  # Session.key -> sampled token not yet fed to the model
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
         self._last_step: list[tuple[Session, int | None]] = []  # (session, its fed decode token) of the last step
         self._reserved_bytes = 0  # KV bytes admitted sessions may grow to (max_session_bytes bounds it)
-        self.refills = TurnRefills(runner, config.prefill_chunk_tokens, self._store)  # 4-bit-decoded turns
+        self.refills = TurnRefills(runner, config.prefill_chunk_tokens, lambda ns, key, st: inserts.store(self, ns, key, st))  # 4-bit-decoded turns
         self.counters = EngineCounters()
         self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
         self.disk = disk  # the disk tier (docs/cache.md), None when off
@@ -82,51 +100,49 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a validated request (its prompt fits: len(prompt) < max_model_len)."""
         sp = request.sampling
-        self.waiting.append(Session(
-            request=request,
-            detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
-            generator=make_generator(sp.seed),
-        ))
+        s = Session(request=request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
+                    generator=make_generator(sp.seed))
         self.counters.num_requests += 1
+        if sp.constraint is not None:
+            try:
+                s.matcher = self.grammars().matcher(sp.constraint)
+            except InvalidRequest as e:  # the server checked the grammar; this is a last resort
+                log.warning("constraint of %s refused: %s", request.request_id, e)
+                self._finish(s, FinishReason.ERROR)
+                return
+        self.waiting.append(s)
+
+    def grammars(self) -> GrammarCompiler:
+        """The tokenizer's grammar compiler (built once, on the first constrained request)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.decoder.arch.vocab_size)
+        return self._grammars
 
     def abort(self, request_id: str) -> None:
-        """Finish the request now with ABORT (usage = what was actually computed). Unknown ids: no-op."""
+        """Finish the request (every choice) now with ABORT (usage = what was actually computed).
+        Unknown ids and finished requests: no-op."""
         for s in self.waiting:
             if s.request.request_id == request_id:
                 self.waiting.remove(s)
                 self._finish(s, FinishReason.ABORT)
                 return
-        for s in self.running:
-            if s.request.request_id == request_id:
-                self._finish(s, FinishReason.ABORT)
-                return
+        for s in [s for s in self.running if s.request.request_id == request_id]:
+            self._finish(s, FinishReason.ABORT)
         if (parked := self.loads.take(request_id)) is not None:
             self._finish(parked, FinishReason.ABORT)
 
-    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        """End every request (waiting, running, parked) with `reason` (and `error` for the client)."""
         self.refills.drop(lambda ns: True)
+        self.suspects = []
         for s in list(self.waiting) + list(self.running) + self.loads.take_all():
             if s in self.waiting:
                 self.waiting.remove(s)
-            self._finish(s, reason)
+            self._finish(s, reason, error=error)
 
     def flush(self, scope: FlushScope) -> FlushReport:
-        """Forget the namespaces `scope` selects in every tier. Sessions of those namespaces already
-        running keep what they copied but insert nothing more, so nothing computed before the flush
-        is cached after it."""
-        ram = self.cache.flush(scope.selects)
-        self.refills.drop(scope.selects)
-        for s in [*self.waiting, *self.running, *self.loads.sessions()]:
-            if scope.selects(s.request.namespace):
-                s.cacheable = False
-        tiers = [TierFlush("ram", ram.num_entries, ram.num_bytes)]
-        if self.disk is not None:
-            disk = self.disk.flush(scope)
-            tiers.append(TierFlush("disk", disk.num_entries, disk.num_bytes))
-        if self.shared is not None:
-            shared = self.shared.flush(scope)
-            tiers.append(TierFlush("redis", shared.num_entries, shared.num_bytes))
-        return FlushReport(tuple(tiers))
+        """Forget the namespaces `scope` selects in every tier (engine/control.py)."""
+        return control.flush(self, scope)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loads or self.refills)
@@ -134,7 +150,7 @@ class EngineCore:
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample.
 
-        If it raises, the caller hands the error to `on_step_failure` (the sessions are left as
+        If it raises, the caller hands the error to `control.recover` (the sessions are left as
         they were before the forward, their fed decode tokens recorded in `_last_step`)."""
         self._admit()
         for s in self.running:
@@ -145,11 +161,11 @@ class EngineCore:
         decoding: list[Session] = []
         budget = self.config.max_batch_tokens
         self.suspects = [s for s in self.suspects if s.phase is not Phase.FINISHED]
-        active = self.suspects[:1] or self.running  # a suspect runs alone (see on_step_failure)
+        active = self.suspects[:1] or self.running  # a suspect runs alone (engine/control.py recover)
         self._last_step = []
         for s in active:
-            if s.phase is Phase.DECODE and s.request.request_id in self._pending:
-                token = self._pending.pop(s.request.request_id)
+            if s.phase is Phase.DECODE and s.key in self._pending:
+                token = self._pending.pop(s.key)
                 items.append(StepItem(s.state, [token], decode=True))  # type: ignore[arg-type]
                 decoding.append(s)
                 self._last_step.append((s, token))
@@ -176,53 +192,16 @@ class EngineCore:
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
             if end == s.boundary < s.prompt_len and s.state is not None and not s.state.truncatable:
-                self._insert(s, end)  # a snapshot-only state exists at this length only now (docs/hybrid.md)
+                inserts.insert(self, s, end)  # a snapshot-only state exists at this length only now (docs/hybrid.md)
                 s.to_insert.remove(end)
             if end == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.to_insert.append(end)
                 self._sample(s)  # the first token goes out before the snapshot copies below
-                self._flush_inserts(s)
+                inserts.flush_inserts(self, s)
         for s in decoding:
             if s.phase is Phase.DECODE:
                 self._sample(s)
-
-    def on_step_failure(self, message: str) -> None:
-        """The last `step` raised `message`. A session that failed alone gets the error (an OpenAI
-        500 carrying `message`); the sessions of a failed batch become suspects that run alone, one
-        step each, until each one either passes or fails alone; sessions not in it are untouched.
-        Pending refills are dropped (a cache optimisation, never worth a retry)."""
-        involved = [(s, t) for s, t in self._last_step if s.phase is not Phase.FINISHED]
-        self._last_step = []
-        self.refills.drop(lambda ns: True)
-        for s, token in list(involved):
-            if s.state is not None and not s.state.truncatable:
-                # a recurrent state may have been updated in place by the partial forward: no retry
-                involved.remove((s, token))
-                self._finish(s, FinishReason.ERROR, error=message)
-                continue
-            if token is not None:
-                self._pending[s.request.request_id] = token  # not fed: feed it again
-            if s.state is not None:  # a partial forward may have written past the valid keys
-                s.state.truncate(s.state.num_tokens, force_zero=True)
-        if not involved:
-            return
-        if len(involved) == 1 and self.suspects[:1] == [involved[0][0]]:
-            self.suspects.pop(0)
-            self._finish(involved[0][0], FinishReason.ERROR, error=message)
-        elif len(involved) == 1:
-            self._finish(involved[0][0], FinishReason.ERROR, error=message)
-        else:
-            self.suspects = [s for s, _ in involved] + [s for s in self.suspects if all(s is not x for x, _ in involved)]
-
-    def fail_all(self, message: str) -> None:
-        """End every request (waiting, running, parked) with an error carrying `message`."""
-        self.refills.drop(lambda ns: True)
-        self.suspects = []
-        for s in list(self.waiting) + list(self.running) + self.loads.take_all():
-            if s in self.waiting:
-                self.waiting.remove(s)
-            self._finish(s, FinishReason.ERROR, error=message)
 
     def num_running(self) -> int:
         return len(self.running)
@@ -297,83 +276,73 @@ class EngineCore:
             s.pending_restore = None
             self.cache.unpin(entry)
 
-    def _flush_inserts(self, s: Session) -> None:
-        """Offer the session's state at each pending length (boundary, full prompt) to the cache."""
-        if s.state is None:
-            s.to_insert.clear()
-            return
-        for num_tokens in s.to_insert:
-            if s.state.truncatable or num_tokens == s.state.num_tokens:  # snapshot-only: its own length only
-                self._insert(s, num_tokens)
-        s.to_insert.clear()
-
-    def _insert(self, s: Session, num_tokens: int) -> None:
-        if not self.exact_reuse or self.cache.config.max_bytes == 0 or not s.cacheable:
-            return
-        assert s.state is not None and num_tokens <= s.state.num_tokens
-        self._store(s.request.namespace, tuple(s.request.prompt_ids[:num_tokens]), s.state)
-
-    def _store(self, ns: Namespace, key: tuple[int, ...], state: SessionState) -> None:
-        """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk and Redis)."""
-        # piece edges at the cached entries on this key's path: their pieces are shared, not copied
-        snap = self.pieces.snapshot(state, key, ns, self.cache.entry_lengths(ns, key))
-        if self.cache.insert(ns, key, snap).stored and snap.truncatable:  # no hybrid files or values yet
-            for tier in (self.disk, self.shared):  # write-through, on each tier's writer thread
-                if tier is not None:
-                    tier.offer(ns, key, snap)
-
     # ---- decode: sampling, stopping, finishing ------------------------------------------------
 
     def _sample(self, s: Session) -> None:
+        if s.request.num_choices > 1 and not s.choices:  # n > 1: fork the others (engine/choices.py)
+            for child in fork_choices(s, self.tokenizer, self.cache):
+                self.running.append(child)
+                self._sample(child)
         if s.state is not None:
             logits = s.state.logits
         else:  # a full hit whose copy is still pending
             logits = s.pending_restore.state.logits  # type: ignore[union-attr]
         assert logits is not None
         sp = s.request.sampling
+        allowed = None if s.matcher is None else s.matcher.allowed()
+        if allowed is not None and not bool(allowed.any()):  # the grammar admits nothing more
+            self._finish(s, FinishReason.STOP)
+            return
         try:
-            token = sample(logits, sp, s.generator)
+            token = sample(adjust_logits(logits, sp, s.output_ids, allowed), sp, s.generator)
         except (RuntimeError, ValueError) as e:  # one request's sampling must never fail the batch
             log.warning("sampling failed for %s: %s", s.request.request_id, e)
             self._finish(s, FinishReason.ERROR)
             return
+        if s.matcher is not None:
+            s.matcher.consume(token)
         if s.first_token_at is None:
             s.first_token_at = time.monotonic()
         s.output_ids.append(token)
         self.counters.num_completion_tokens += 1
         reason: FinishReason | None = None
         text = ""
+        logprobs: tuple[TokenLogprob, ...] = ()
         if (token in self.tokenizer.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            reason = FinishReason.STOP
+            reason = FinishReason.STOP  # a stop token is not output: no text, no logprob entry
         else:
             text = s.detok.add(token)
-            if s.detok.stopped:
+            if sp.num_logprobs is not None:
+                logprobs = (token_logprob(logits, token, sp.num_logprobs),)
+            if s.detok.stopped or (s.matcher is not None and s.matcher.done):
                 reason = FinishReason.STOP
         if reason is None and (
             len(s.output_ids) >= sp.max_tokens or s.prompt_len + len(s.output_ids) >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
         if reason is None:
-            self._pending[s.request.request_id] = token
-            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage()))
+            self._pending[s.key] = token
+            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage(), index=s.index,
+                                                  logprobs=logprobs))
         else:
-            self._finish(s, reason, text, (token,))
+            self._finish(s, reason, text, (token,), logprobs)
 
     def _finish(
-        self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (), error: str | None = None
+        self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None,
     ) -> None:
         if s.phase is Phase.FINISHED:
             return
         usage = s.usage()  # before the phase changes: an unfinished prompt bills what was processed
         s.phase = Phase.FINISHED
         s.finish_reason = reason
-        self._pending.pop(s.request.request_id, None)
+        self._pending.pop(s.key, None)
         if s in self.running:
             self.running.remove(s)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.counters.num_finished += 1
-            self._flush_inserts(s)
-            self._offer_turn(s)
+            inserts.flush_inserts(self, s)
+            inserts.offer_turn(self, s)
         else:
             self.counters.num_aborted += 1
         if s.pending_restore is not None:
@@ -383,24 +352,6 @@ class EngineCore:
             self._reserved_bytes -= s.reserved_bytes
             s.reserved_bytes = 0
         text += s.detok.flush()
-        self.emit(s.request.request_id,
-                  Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage, error=error))
+        self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage,
+                                              index=s.index, logprobs=logprobs, error=error))
         s.state = None  # free the session's KV now
-
-    def _offer_turn(self, s: Session) -> None:
-        """Cache prompt + reply so the next turn of the conversation hits its own history.
-
-        Dense decode runs the prefill calls, so the session's state is exact as it is (the reply's
-        last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
-        recomputation's: the state goes to `self.refills` (engine/refill.py) to be re-fed by prefill."""
-        st = s.state
-        if not self.config.offer_finished_turns or st is None or not s.output_ids or not s.cacheable:
-            return
-        if not self.exact_reuse or self.cache.config.max_bytes == 0:
-            return
-        if self.runner.decoder.decode_matches_prefill:
-            if st.num_tokens > s.prompt_len:
-                ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
-                self._store(s.request.namespace, ids, st)
-            return
-        self.refills.offer(s.request.namespace, tuple(s.request.prompt_ids) + tuple(s.output_ids), st, s.prompt_len)

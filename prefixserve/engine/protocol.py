@@ -31,6 +31,7 @@ class EngineHealth:
     num_running: int
     num_waiting: int
     decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/quant.py)
+    fingerprint: str = ""  # responses' system_fingerprint: model, dtype, kernels, self-test verdict
     dtype: str = ""  # the runtime dtype the self-test chose ("bfloat16" / "float32")
     tiles: str = ""  # row tiles of every dense matmul (docs/exactness.md), e.g. "64"
 
@@ -83,9 +84,11 @@ class EngineClient(Protocol):
     tokenizer: TokenizerLike
 
     def generate(self, request: Request) -> AsyncIterator[Delta]:
-        """Stream the request's output. Raises PromptTooLong before yielding if it cannot fit.
-        Closing the iterator early (client gone) aborts the request and frees its session; the
-        final Delta carries finish_reason and worker-truth usage (also for aborts)."""
+        """Stream the request's output: the Deltas of all its choices (`Delta.index`), interleaved.
+        Raises PromptTooLong before yielding if it cannot fit. Closing the iterator early (client
+        gone) aborts the request and frees its sessions. The iterator ends after every choice's
+        final Delta (or the first ERROR / ABORT one); the last Delta carries the request's
+        worker-truth usage (also for aborts)."""
         ...
 
     def health(self) -> EngineHealth: ...

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner import SessionState
 from prefixserve.types import FinishReason, Namespace, Request, Usage
 
@@ -47,6 +48,9 @@ class Session:
     reserved_bytes: int = 0  # KV bytes admission reserved for it (EngineCore.session_bytes)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    index: int = 0  # which choice of the request (n > 1: choice 0 forks the others after the prompt)
+    choices: list[Session] = field(default_factory=list)  # all choices once forked (shared list)
+    matcher: TokenMatcher | None = None  # constrained decoding: where the output stands in the grammar
 
     @property
     def prompt_len(self) -> int:
@@ -56,16 +60,23 @@ class Session:
     def num_computed(self) -> int:
         return 0 if self.state is None else self.state.num_tokens
 
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request.request_id, self.index
+
     def usage(self) -> Usage:
-        """Worker truth: what this session was served from cache and what it produced. Until the
-        prompt is done (its first token sampled), prompt_tokens counts the prompt tokens processed
-        so far, cached and computed: a request aborted while queued bills nothing."""
+        """Worker truth for the whole request: the prompt once, what choice 0 was served from cache,
+        and what every choice produced so far. Until the prompt is done (its first token sampled),
+        prompt_tokens counts the prompt tokens processed so far, cached and computed: a request
+        aborted while queued bills nothing."""
+        group = self.choices or [self]
+        first = group[0]
         prompt = self.prompt_len
-        if self.first_token_at is None:
-            prompt = min(self.prompt_len, max(self.num_cached if self.phase is not Phase.WAITING else 0,
-                                              self.num_computed))
-        return Usage(prompt_tokens=prompt, completion_tokens=len(self.output_ids),
-                     cached_tokens=min(self.num_cached, prompt))
+        if first.first_token_at is None:
+            prompt = min(self.prompt_len, max(first.num_cached if first.phase is not Phase.WAITING else 0,
+                                              first.num_computed))
+        return Usage(prompt_tokens=prompt, completion_tokens=sum(len(c.output_ids) for c in group),
+                     cached_tokens=min(first.num_cached, prompt))
 
     def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
         """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary."""

@@ -1,7 +1,7 @@
 """Owns device tensors: session state, batched forward, sampling. Never imports the cache."""
 
 from prefixserve.runner.runner import ModelRunner, StepItem
-from prefixserve.runner.sampling import make_generator, sample
+from prefixserve.runner.sampling import adjust_logits, make_generator, sample, token_logprob
 from prefixserve.runner.state import KVSnapshot, SessionState
 
-__all__ = ["KVSnapshot", "ModelRunner", "SessionState", "StepItem", "make_generator", "sample"]
+__all__ = ["KVSnapshot", "ModelRunner", "SessionState", "StepItem", "adjust_logits", "make_generator", "sample", "token_logprob"]

@@ -82,6 +82,7 @@ def create_app(
             "ok": h.ok,
             "exact_reuse": h.exact_reuse,
             "decode_kernel": h.decode_kernel,
+            "system_fingerprint": h.fingerprint,
             "dtype": h.dtype,
             "tiles": h.tiles,
             "detail": h.detail,

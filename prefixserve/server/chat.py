@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages (+ tools) -> chat template -> prompt token ids.
 
 The template runs in the engine's tokenizer (`render_chat`), so a tools request is keyed in the cache
-by exactly the token ids the model sees, like any other prompt.
+by exactly the token ids the model sees, like any other prompt. Tools and their calls: tools.py;
+`response_format` json_object / json_schema and forced tool calls become a grammar `Constraint`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ import json
 import logging
 from typing import Any
 
-from prefixserve.engine.protocol import EngineClient, TemplateError
-from prefixserve.server import params
-from prefixserve.server.completions import check_chars, check_fits, prepared
+from prefixserve.engine.grammar import check_constraint
+from prefixserve.engine.protocol import EngineClient, InvalidRequest, TemplateError
+from prefixserve.server import params, tools
+from prefixserve.server.completions import check_chars, check_fits, include_usage, prepared
 from prefixserve.server.errors import bad_request
-from prefixserve.server.responses import ChatShape, Prepared
+from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.responses import ChatShape, Prepared, new_id
 from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage
+from prefixserve.types import Constraint
+
+MAX_TOP_LOGPROBS = 20
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -25,35 +31,141 @@ def prepare_chat(body: ChatCompletionRequest, engine: EngineClient, tenant_id: s
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
-    if body.logprobs:
-        raise bad_request("logprobs is not supported", "logprobs")
-    if body.top_logprobs:
-        raise bad_request("top_logprobs is not supported", "top_logprobs")
+    n = params.check_n(body.n)
+    num_logprobs = check_logprobs(body)
     if body.functions is not None or body.function_call is not None:
         raise bad_request("the legacy functions API is not supported; use tools", "functions")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
-    tools = check_tools(body)
+    tool_list = check_tools(body)
+    forced = forced_tool(body, tool_list)
+    constraint = response_constraint(body.response_format)
+    if forced is not None:
+        if constraint is not None:
+            raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
+        assert tool_list is not None
+        constraint = _checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
     messages = render_messages(body.messages)
-    prompt_ids = render_prompt(engine, messages, tools)
+    prompt_ids = render_prompt(engine, messages, tool_list)
     check_fits(len(prompt_ids), engine.max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     remaining = max(1, engine.max_model_len - len(prompt_ids))  # no limit given: until the context fills
-    sampling = params.sampling_params(body, max_tokens, remaining, engine.max_model_len)
-    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, model, "chatcmpl", ChatShape)
+    sampling = params.sampling_params(body, max_tokens, remaining, engine.max_model_len,
+                                      params.vocab_size(engine), num_logprobs, constraint)
+    setup = None if tool_list is None else tools.ToolSetup(
+        names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)
+    shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),
+                      fingerprint=engine.health().fingerprint,
+                      logprobs=None if num_logprobs is None else LogprobRenderer(engine.tokenizer), tools=setup)
+    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n)
+
+
+def check_logprobs(body: ChatCompletionRequest) -> int | None:
+    """logprobs (bool) and top_logprobs (0..20, needs logprobs) -> the engine's num_logprobs."""
+    if body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def check_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools to render, or None. tool_choice 'auto' (default) and 'none' are supported; with 'none'
-    the tools are left out of the prompt. Forcing a call ('required', a named function) is not."""
+    """The tools to render, or None (no tools, or tool_choice 'none': left out of the prompt).
+    Each function's `parameters` must be a JSON schema of an object that compiles."""
     choice = body.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        raise bad_request(
-            "tool_choice must be 'auto' or 'none' (forced tool calls are not supported)", "tool_choice"
-        )
+    if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
+        raise bad_request("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
     if not body.tools or choice == "none":
         return None
-    return [tool.model_dump(exclude_none=True) for tool in body.tools]
+    out = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    for i, tool in enumerate(out):
+        schema = tool["function"].get("parameters")
+        param = f"tools[{i}].function.parameters"
+        if schema is not None:
+            if schema.get("type", "object") != "object":
+                raise bad_request("parameters must be a JSON schema of type 'object'", param)
+            _checked(Constraint("json_schema", json.dumps(schema)), param)
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", "tools")
+    return out
+
+
+def forced_tool(body: ChatCompletionRequest, tool_list: list[dict[str, Any]] | None) -> str | None:
+    """None: the model may answer freely; "": it must call one of the tools ('required'); a name: it
+    must call that function."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    if tool_list is None:
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    if choice == "required":
+        return ""
+    assert isinstance(choice, dict)
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if name not in {t["function"]["name"] for t in tool_list}:
+        raise bad_request(f"tool_choice names an unknown function {name[:64]!r}", "tool_choice")
+    return name
+
+
+def response_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
+    """response_format -> a Constraint: text (None), json_object, or json_schema {name, schema, strict}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise bad_request("response_format type must be 'text', 'json_object' or 'json_schema'", "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema needs a 'name' and a 'schema'", "response_format.json_schema")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request("the schema must be a JSON object", "response_format.json_schema.schema")
+    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+        raise bad_request("strict must be a boolean", "response_format.json_schema.strict")
+    return _checked(Constraint("json_schema", json.dumps(schema)), "response_format.json_schema.schema")
+
+
+def _checked(constraint: Constraint, param: str) -> Constraint:
+    try:
+        check_constraint(constraint)
+    except InvalidRequest as e:
+        raise bad_request(str(e), param) from None
+    return constraint
+
+
+def render_prompt(
+    engine: EngineClient, messages: list[dict[str, Any]], tool_list: list[dict[str, Any]] | None
+) -> list[int]:
+    """The chat template's token ids. With tools, a template that ignores them (same ids with and
+    without) gets the generic fallback of tools.py instead. A template that rejects the messages is
+    the client's error (400)."""
+    if tool_list is None:
+        return _render(engine, messages, None)
+    native = _render(engine, messages, tool_list)
+    if native != _render(engine, messages, None):
+        return native
+    return _render(engine, fallback_messages(messages, tool_list), None)
+
+
+def fallback_messages(messages: list[dict[str, Any]], tool_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the tools described in the system message and earlier calls as text."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("tool_calls"):
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + tools.calls_as_text(m.pop("tool_calls"))
+    described = tools.fallback_system_message(tool_list)
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = out[0]["content"] + "\n\n" + described
+    else:
+        out.insert(0, {"role": "system", "content": described})
+    return out
 
 
 def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -106,10 +218,7 @@ def message_text(content: Any, where: str, msg: ChatMessage) -> str:
     return "\n".join(texts)
 
 
-def render_prompt(
-    engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> list[int]:
-    """The chat template's token ids. A template that rejects the messages is the client's error (400)."""
+def _render(engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
     text_len = len(json.dumps(messages, ensure_ascii=False, default=str)) + len(json.dumps(tools or [], default=str))
     check_chars(text_len, engine.max_model_len, "messages")
     try:

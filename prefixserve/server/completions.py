@@ -1,21 +1,28 @@
 """POST /v1/completions: body -> prompt token ids, SamplingParams and Namespace.
 
-The prompt is a string, a list of token ids, or a one-element list of either; several prompts in one
-request are refused (400) rather than half-supported.
+The prompt is a string, a list of token ids, or a list of up to 16 of either: prompt k's choices are
+k * n .. k * n + n - 1 and `usage` sums the prompts (server/multi.py). `n` choices share one prefill; `best_of` > n
+samples best_of choices and returns the n with the highest cumulative logprob (not streamed, as
+OpenAI); `echo` puts the prompt's text before each choice; `suffix` needs fill-in-the-middle tokens,
+which no model served here has (400).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server import params
 from prefixserve.server.errors import bad_request
-from prefixserve.server.responses import CompletionShape, Prepared, new_id
+from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.responses import CompletionShape, Prepared, Shape, new_id
 from prefixserve.server.schemas import CompletionRequest
-from prefixserve.types import Request, SamplingParams
+from prefixserve.types import MAX_CHOICES, Request, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit
+MAX_PROMPTS = 16
 
 
 def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id: str) -> Prepared:
@@ -23,45 +30,70 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
-    if body.echo:
-        raise bad_request("echo is not supported", "echo")
-    if body.logprobs is not None:
-        raise bad_request("logprobs is not supported", "logprobs")
-    if body.best_of is not None and body.best_of != 1:
-        raise bad_request("best_of must be 1", "best_of")
+    n = params.check_n(body.n)
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_request(f"best_of must be between n ({n}) and {MAX_CHOICES}", "best_of")
+    if best_of > n and body.stream:
+        raise bad_request("best_of > n cannot be streamed", "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-    prompt_ids = prompt_token_ids(body.prompt, engine)
-    check_fits(len(prompt_ids), engine.max_model_len)
-    sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len)
-    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, model, "cmpl", CompletionShape)
+        raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
+    prompts = prompts_token_ids(body.prompt, engine)
+    for ids in prompts:
+        check_fits(len(ids), engine.max_model_len)
+    if len(prompts) > 1 and (best_of > n or body.echo):
+        raise bad_request("best_of > n and echo need a single prompt", "best_of" if best_of > n else "echo")
+    prompt_ids = prompts[0]
+    num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
+    sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len,
+                                      params.vocab_size(engine), num_logprobs)
+    shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
+                            fingerprint=engine.health().fingerprint,
+                            logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
+                            prefix=engine.tokenizer.decode(prompt_ids) if body.echo else "")
+    first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
+    more = tuple(replace(first.request, request_id=f"{shape.id}-{k}", prompt_ids=tuple(ids))
+                 for k, ids in enumerate(prompts[1:], 1))
+    return replace(first, more=more)
 
 
 def prepared(
     engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
-    salt: str | None, model: str, id_prefix: str, shape_cls: Any,
+    salt: str, shape: Shape, num_choices: int = 1, num_returned: int | None = None,
 ) -> Prepared:
     """The engine Request (namespace from the tenant and salt alone) and the response shape."""
-    request_id = new_id(id_prefix)
     request = Request(
-        request_id=request_id,
+        request_id=shape.id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),
         prompt_ids=tuple(prompt_ids),
         sampling=sampling,
+        num_choices=num_choices,
     )
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    shape = shape_cls(id=request_id, model=model, include_usage=include_usage)
-    return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id)
+    return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id,
+                    num_returned=num_returned if num_returned != num_choices else None)
 
 
-def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
-    """str | list[int] | [str] | [list[int]] -> token ids (non-empty)."""
+def include_usage(body: Any) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def prompts_token_ids(prompt: Any, engine: EngineClient) -> list[list[int]]:
+    """str | list[int] | [str, ...] | [list[int], ...] -> one list of token ids per prompt (each non-empty)."""
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) != 1:
-            raise bad_request("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [prompt_token_ids(p, engine) for p in prompt]
+    return [prompt_token_ids(prompt, engine)]
+
+
+def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
+    """str | list[int] -> token ids (non-empty)."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")

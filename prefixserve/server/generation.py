@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.errors import APIError
-from prefixserve.server.responses import Prepared
+from prefixserve.server.multi import generate_all
+from prefixserve.server.responses import ChoiceOutput, Prepared
 from prefixserve.server.streaming import SSE_HEADERS, SSEResponse, aclose_shielded, next_delta, sse_events
 from prefixserve.server.tracking import RequestTracker
 from prefixserve.types import Delta, FinishReason
@@ -36,7 +37,7 @@ async def respond(
 ) -> Response:
     """Serve `prepared`. Raises what the engine raises before its first delta (PromptTooLong -> 400
     via the app's handlers); answers 500 in OpenAI's shape if the engine fails the request."""
-    engine_iter = engine.generate(prepared.request)
+    engine_iter = generate_all(engine, prepared.requests)
     handed_off = False
     try:
         if prepared.stream:
@@ -44,11 +45,11 @@ async def respond(
             if first is None:
                 raise _engine_failed(tracker, None)
             handed_off = True
-            return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker), headers=SSE_HEADERS)
-        text, delta = await until_disconnect(http_request, _collect(engine_iter, tracker))
-        reason = FinishReason(delta.finish_reason).value
-        usage = tracker.finish(reason, delta.usage)
-        return JSONResponse(prepared.shape.full(text, reason, usage))
+            return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker, prepared.num_choices),
+                               headers=SSE_HEADERS)
+        choices, delta = await until_disconnect(http_request, _collect(engine_iter, tracker, prepared.num_choices))
+        usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
+        return JSONResponse(prepared.shape.full(prepared.select(choices), usage))
     except ClientGone:
         tracker.finish(FinishReason.ABORT.value)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -84,19 +85,28 @@ async def _wait_disconnect(http_request: HTTPRequest) -> None:
             return
 
 
-async def _collect(engine_iter: AsyncIterator[Delta], tracker: RequestTracker) -> tuple[str, Delta]:
-    """All text up to the final delta, and that delta. Raises APIError(500) if the engine failed."""
-    parts: list[str] = []
+async def _collect(
+    engine_iter: AsyncIterator[Delta], tracker: RequestTracker, num_choices: int
+) -> tuple[list[ChoiceOutput], Delta]:
+    """Every choice's output (by index), and the request's last delta (its usage is the total).
+    Raises APIError(500) if the engine failed."""
+    choices = [ChoiceOutput(index=i, text="", finish_reason="") for i in range(num_choices)]
+    num_left = num_choices
     while True:
         delta = await next_delta(engine_iter)
         if delta is None:
             raise _engine_failed(tracker, None)
         tracker.on_delta(delta)
-        parts.append(delta.text)
+        choice = choices[delta.index]
+        choice.text += delta.text
+        choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 raise _engine_failed(tracker, delta)
-            return "".join(parts), delta
+            choice.finish_reason = FinishReason(delta.finish_reason).value
+            num_left -= 1
+            if num_left == 0:
+                return choices, delta
 
 
 def _engine_failed(tracker: RequestTracker, delta: Delta | None) -> APIError:

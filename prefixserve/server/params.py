@@ -8,22 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixserve.server.errors import bad_request
+from prefixserve.server.errors import APIError, bad_request
 from prefixserve.server.schemas import SamplingFields
-from prefixserve.types import Namespace, SamplingParams
+from prefixserve.types import MAX_CHOICES, Constraint, Namespace, SamplingParams
 
 MAX_SALT_CHARS = 256
 MAX_STOP_SEQUENCES = 16
 MAX_TEMPERATURE = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def check_model(requested: str | None, model_id: str) -> str:
-    """The model name to echo in responses; 400 for any model this server does not serve."""
+    """The model name to echo in responses; 404 model_not_found (as OpenAI and vLLM answer) for any
+    model this server does not serve."""
     if requested is None or requested == model_id:
         return model_id
-    raise bad_request(
-        f"The model '{requested}' does not exist; this server serves '{model_id}'", "model", "model_not_found"
+    raise APIError(
+        404, f"The model '{requested}' does not exist; this server serves '{model_id}'",
+        param="model", code="model_not_found",
     )
 
 
@@ -48,22 +52,39 @@ def namespace(model_id: str, tenant_id: str, salt: str) -> Namespace:
 
 def check_unsupported(body: SamplingFields) -> None:
     """Refuse, by name, options we accept only at their neutral value."""
-    if body.n is not None and body.n != 1:
-        raise bad_request("n must be 1 (several choices per request are not supported)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value is not None and value != 0:
-            raise bad_request(f"{name} is not supported (only 0)", name)
     if body.repetition_penalty is not None and body.repetition_penalty != 1:
         raise bad_request("repetition_penalty is not supported (only 1)", "repetition_penalty")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
+def check_n(value: int | None, param: str = "n") -> int:
+    """n (choices per request): 1 .. MAX_CHOICES."""
+    n = 1 if value is None else value
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"{param} must be between 1 and {MAX_CHOICES}", param)
+    return n
+
+
+def check_logit_bias(value: dict[str, Any] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias in [-100, 100]} with ids in the vocabulary."""
+    out: list[tuple[int, float]] = []
+    for key, bias in (value or {}).items():
+        if not key.isascii() or not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (got {key[:32]!r})", "logit_bias")
+        token_id = int(key)
+        if vocab_size is not None and token_id >= vocab_size:
+            raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                              "logit_bias")
+        out.append((token_id, float(bias)))
+    return tuple(out)
+
+
 def sampling_params(
-    body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int
+    body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int,
+    vocab_size: int | None = None, num_logprobs: int | None = None, constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams. max_tokens > max_model_len is refused; a request whose prompt plus
     max_tokens overflows the context is accepted and finishes with 'length' when the context fills."""
@@ -89,6 +110,12 @@ def sampling_params(
     stop_token_ids = tuple(body.stop_token_ids or ())
     if any(t < 0 for t in stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative", "stop_token_ids")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        penalties[name] = 0.0 if value is None else float(value)
+        if not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+            raise bad_request(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}", name)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -98,6 +125,11 @@ def sampling_params(
         stop=check_stop(body.stop),
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(body.ignore_eos),
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        logit_bias=check_logit_bias(body.logit_bias, vocab_size),
+        num_logprobs=num_logprobs,
+        constraint=constraint,
     )
 
 

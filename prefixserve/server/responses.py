@@ -1,8 +1,9 @@
 """Response bodies in OpenAI's shapes, for both endpoints, streaming and not.
 
-A `Shape` knows one response's id, creation time and model, and turns engine output into the dicts
-OpenAI clients parse. `usage_dict` is the single place usage is rendered: `cached_tokens` is always
-present, and every number is the engine's (worker truth), never re-counted here.
+A `Shape` knows one response's id, creation time, model, fingerprint and options (logprobs, tools),
+and turns engine output into the dicts OpenAI clients parse. `usage_dict` is the single place usage
+is rendered: `cached_tokens` is always present, and every number is the engine's (worker truth),
+never re-counted here. With n > 1 choices, `usage` counts the prompt once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.types import Request, Usage
+from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.tools import ParsedReply, ToolCallStream, ToolSetup, parse_tool_calls
+from prefixserve.types import Request, TokenLogprob, Usage
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -29,22 +32,37 @@ def new_id(prefix: str) -> str:
 
 
 @dataclass(slots=True)
+class ChoiceOutput:
+    """One choice's whole output (non-streaming)."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Shape:
-    """Base: the fields every body shares. Subclasses fill in `object` names and choice layout."""
+    """Base: the fields every body shares. Subclasses fill in `object` names and choice layout.
+    `logprobs`: a renderer when the request asked for logprobs, else None."""
 
     id: str
     model: str
     include_usage: bool = False  # streaming: usage: null on chunks, a final usage-only chunk
     created: int = field(default_factory=lambda: int(time.time()))
+    fingerprint: str = ""
+    logprobs: LogprobRenderer | None = None
+    prefix: str = ""  # text placed before each choice's output (completions' echo)
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         raise NotImplementedError
 
-    def opening(self) -> list[dict[str, Any]]:
-        """Chunks sent before any output (chat: the assistant role)."""
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        """Chunks sent before any output (chat: the assistant role of each choice)."""
         return []
 
-    def chunks(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
+               finish_reason: str | None) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -53,7 +71,8 @@ class Shape:
     chunk_object = ""
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         body = {**self._head(self.chunk_object), "choices": [choice]}
@@ -62,36 +81,89 @@ class Shape:
         return body
 
 
+@dataclass(slots=True)
 class CompletionShape(Shape):
     chunk_object = "text_completion"
+    _offsets: dict[int, int] = field(default_factory=dict)  # streaming: text_offset per choice so far
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage_dict(usage)}
+    def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
+        body = [{"index": c.index, "text": self.prefix + c.text,
+                 "logprobs": self._logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason}
+                for c in choices]
+        return {**self._head("text_completion"), "choices": body, "usage": usage_dict(usage)}
 
-    def chunks(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        return [self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})]
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        if not self.prefix:
+            return []
+        return [self._chunk({"index": i, "text": self.prefix, "logprobs": None, "finish_reason": None})
+                for i in range(num_choices)]
 
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
+               finish_reason: str | None) -> list[dict[str, Any]]:
+        if not text and not logprobs and finish_reason is None:
+            return []
+        return [self._chunk({"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
+                             "finish_reason": finish_reason})]
 
-class ChatShape(Shape):
-    chunk_object = "chat.completion.chunk"
-
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage_dict(usage)}
-
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
-
-    def chunks(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        out = [self._delta({"content": text}, None)] if text else []
-        if finish_reason is not None:
-            out.append(self._delta({}, finish_reason))
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        start = self._offsets.get(index, len(self.prefix))
+        out = self.logprobs.completion(entries, start)
+        self._offsets[index] = start + sum(len(t) for t in out["tokens"])
         return out
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+
+@dataclass(slots=True)
+class ChatShape(Shape):
+    chunk_object = "chat.completion.chunk"
+    tools: ToolSetup | None = None  # parse tool calls out of the replies
+    _streams: dict[int, ToolCallStream] = field(default_factory=dict)
+
+    def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
+        body = []
+        for c in choices:
+            reply = parse_tool_calls(c.text, self.tools) if self.tools else ParsedReply(c.text, ())
+            message = {"role": "assistant", "content": reply.content, "refusal": None,
+                       "tool_calls": [call.as_dict() for call in reply.calls] or None}
+            body.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                         "finish_reason": "tool_calls" if reply.calls else c.finish_reason})
+        return {**self._head("chat.completion"), "choices": body, "usage": usage_dict(usage)}
+
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        return [self._delta(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
+
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
+               finish_reason: str | None) -> list[dict[str, Any]]:
+        if self.tools is not None:
+            text = self._stream(index).feed(text)
+        out = [self._delta(index, {"content": text}, None, logprobs)] if text or logprobs else []
+        if finish_reason is not None:
+            if self.tools is not None:
+                reply = self._stream(index).finish()
+                if reply.content:
+                    out.append(self._delta(index, {"content": reply.content}, None))
+                for i, call in enumerate(reply.calls):  # OpenAI: name first, then the arguments
+                    head = {"index": i, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}}
+                    out.append(self._delta(index, {"tool_calls": [head]}, None))
+                    out.append(self._delta(index, {"tool_calls": [
+                        {"index": i, "function": {"arguments": call.arguments}}]}, None))
+                finish_reason = "tool_calls" if reply.calls else finish_reason
+            out.append(self._delta(index, {}, finish_reason))
+        return out
+
+    def _stream(self, index: int) -> ToolCallStream:
+        assert self.tools is not None
+        return self._streams.setdefault(index, ToolCallStream(self.tools))
+
+    def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.chat(entries)
+
+    def _delta(self, index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                            "finish_reason": finish_reason})
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +174,22 @@ class Prepared:
     shape: Shape
     stream: bool
     tenant_id: str
+    num_returned: int | None = None  # best_of > n: the request samples more choices than it returns
+    more: tuple[Request, ...] = ()  # completions with a list of prompts: the 2nd, 3rd, ... (server/multi.py)
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return (self.request, *self.more)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices the engine produces for the whole response (every prompt's n)."""
+        return sum(r.num_choices for r in self.requests)
+
+    def select(self, choices: list[ChoiceOutput]) -> list[ChoiceOutput]:
+        """best_of: the `num_returned` choices with the highest cumulative logprob, re-indexed from 0
+        in that order (the engine computed logprobs for this); otherwise all of them."""
+        if self.num_returned is None or len(choices) <= self.num_returned:
+            return choices
+        best = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs))[: self.num_returned]
+        return [ChoiceOutput(i, c.text, c.finish_reason, c.logprobs) for i, c in enumerate(best)]

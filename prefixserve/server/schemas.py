@@ -47,18 +47,17 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: Any = None  # non-empty str of at most 256 characters
-    # Accepted only at their neutral value.
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = None  # accepted only at its neutral value
 
 
 class CompletionRequest(SamplingFields):
     prompt: Any = None  # str | list[int] | [str] | [list[int]]
     echo: bool | None = None
-    logprobs: Any = None
+    logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -102,7 +101,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Any = None  # "none" | "auto" are supported
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None

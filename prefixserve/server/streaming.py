@@ -39,21 +39,27 @@ class SSEResponse(StreamingResponse):
 
 
 async def sse_events(
-    shape: Shape, engine_iter: AsyncIterator[Delta], first: Delta, tracker: RequestTracker
+    shape: Shape, engine_iter: AsyncIterator[Delta], first: Delta, tracker: RequestTracker, num_choices: int = 1
 ) -> AsyncIterator[str]:
-    """The SSE body: opening chunks, one chunk per delta with text, the finish chunk, the usage chunk
-    (when asked for), then ``data: [DONE]``. An engine failure becomes an OpenAI error event."""
+    """The SSE body: opening chunks, chunks per delta (each with its choice's `index`), each choice's
+    finish chunk, the usage chunk (when asked for), then ``data: [DONE]``. An engine failure becomes
+    an OpenAI error event."""
     try:
-        for obj in shape.opening():
+        for obj in shape.opening(num_choices):
             yield sse(obj)
         delta: Delta | None = first
+        num_left = num_choices
         while delta is not None:
             tracker.on_delta(delta)
-            if delta.finish_reason is not None:
+            if delta.finish_reason is FinishReason.ERROR or delta.error:
                 break
-            if delta.text:
-                for obj in shape.chunks(delta.text, None):
-                    yield sse(obj)
+            reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason).value
+            for obj in shape.chunks(delta.index, delta.text, delta.logprobs, reason):
+                yield sse(obj)
+            if reason is not None:
+                num_left -= 1
+                if num_left == 0:
+                    break
             delta = await next_delta(engine_iter)
         if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:
             message = (
@@ -64,10 +70,7 @@ async def sse_events(
             yield sse(error_body(message, "server_error"))
             yield DONE
             return
-        reason = FinishReason(delta.finish_reason).value
-        usage = tracker.finish(reason, delta.usage)
-        for obj in shape.chunks(delta.text, reason):
-            yield sse(obj)
+        usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
         if shape.include_usage:
             yield sse(shape.usage_chunk(usage))
         yield DONE

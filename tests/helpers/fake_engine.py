@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from prefixserve.engine.protocol import EngineHealth, FlushReport, PromptTooLong, TemplateError, TierFlush
-from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Request, Usage
+from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Request, TokenLogprob, Usage
 
 OFFSET = 3
 
@@ -89,29 +89,32 @@ class FakeEngine:
             cuts = [full.index(s) for s in request.sampling.stop if s in full]
             if cuts:  # one byte per token for ASCII prompts: cut the tokens at the stop string
                 out, reason = out[: min(cuts)], FinishReason.STOP
-            for n, tok in enumerate(out, 1):
-                await asyncio.sleep(self.token_delay)
-                usage = Usage(prompt_tokens=len(ids), completion_tokens=n, cached_tokens=cached)
-                if self.fail_with is not None:
-                    finished = True
-                    yield Delta("", (), FinishReason.ERROR, usage, error=self.fail_with)
-                    return
-                piece = self.tokenizer.decode([tok])
-                if n == len(out):
-                    finished = True
-                    yield Delta(piece, (tok,), reason, usage)
-                    return
-                yield Delta(piece, (tok,))
+            k = request.sampling.num_logprobs
+            for index in range(request.num_choices):  # n choices, one after the other, the same output
+                done = index * len(out)
+                for n, tok in enumerate(out, 1):
+                    await asyncio.sleep(self.token_delay)
+                    usage = Usage(prompt_tokens=len(ids), completion_tokens=done + n, cached_tokens=cached)
+                    if self.fail_with is not None:
+                        finished = True
+                        yield Delta("", (), FinishReason.ERROR, usage, error=self.fail_with)
+                        return
+                    piece = self.tokenizer.decode([tok])
+                    lps = () if k is None else (TokenLogprob(tok, -0.5, tuple((tok + j, -0.5 - j) for j in range(k))),)
+                    last = n == len(out)
+                    finished = last and index == request.num_choices - 1
+                    yield Delta(piece, (tok,), reason if last else None, usage, index=index, logprobs=lps)
+                if not out:
+                    finished = index == request.num_choices - 1
+                    yield Delta("", (), reason, Usage(prompt_tokens=len(ids), completion_tokens=0,
+                                                      cached_tokens=cached), index=index)
             finished = True
-            yield Delta(
-                "", (), reason, Usage(prompt_tokens=len(ids), completion_tokens=0, cached_tokens=cached)
-            )
         finally:
             self._running -= 1
             events.append("finished" if finished else "closed")
 
     def health(self) -> EngineHealth:
-        return EngineHealth(True, True, "fake engine", self._running, 0)
+        return EngineHealth(True, True, "fake engine", self._running, 0, fingerprint="fp_fake")
 
     def metrics(self) -> dict[str, float]:
         entries = sum(len(v) for v in self._cache.values())

@@ -13,6 +13,7 @@ from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import auth
 
 MSGS = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 C, CH = "/v1/completions", "/v1/chat/completions"
 
 # (endpoint, raw body or JSON object, expected status, expected param)
@@ -25,8 +26,10 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (C, {"max_tokens": 3}, 400, "prompt"),
     (C, {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": []}, 400, "prompt"),
-    (C, {"prompt": ["a", "b"]}, 400, "prompt"),
-    (C, {"prompt": [[1, 2], [3]]}, 400, "prompt"),
+    (C, {"prompt": ["a"] * 17}, 400, "prompt"),
+    (C, {"prompt": ["a", "b"], "echo": True}, 400, "echo"),
+    (C, {"prompt": ["a", ""]}, 400, "prompt"),
+    (C, {"prompt": [[1, 2], []]}, 400, "prompt"),
     (C, {"prompt": [1, "a"]}, 400, "prompt"),
     (C, {"prompt": [1, True]}, 400, "prompt"),
     (C, {"prompt": [-1]}, 400, "prompt"),
@@ -58,15 +61,22 @@ BAD: list[tuple[str, Any, int, str | None]] = [
         400,
         "stream_options.include_usage",
     ),
-    (C, {"prompt": "p", "n": 2}, 400, "n"),
-    (C, {"prompt": "p", "best_of": 3}, 400, "best_of"),
-    (C, {"prompt": "p", "logprobs": 2}, 400, "logprobs"),
-    (C, {"prompt": "p", "echo": True}, 400, "echo"),
+    (C, {"prompt": "p", "n": 0}, 400, "n"),
+    (C, {"prompt": "p", "n": 17}, 400, "n"),
+    (C, {"prompt": "p", "n": 3, "best_of": 2}, 400, "best_of"),
+    (C, {"prompt": "p", "best_of": 3, "stream": True}, 400, "best_of"),
+    (C, {"prompt": "p", "logprobs": 6}, 400, "logprobs"),
+    (C, {"prompt": "p", "logprobs": -1}, 400, "logprobs"),
+    (C, {"prompt": "p", "logprobs": True}, 400, "logprobs"),
+    (C, {"prompt": "p", "echo": True, "logprobs": 1}, 400, "echo"),
     (C, {"prompt": "p", "suffix": "end"}, 400, "suffix"),
-    (C, {"prompt": "p", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {"prompt": "p", "frequency_penalty": -1}, 400, "frequency_penalty"),
-    (C, {"prompt": "p", "logit_bias": {"50": 10}}, 400, "logit_bias"),
-    (C, {"prompt": "p", "model": "gpt-4"}, 400, "model"),
+    (C, {"prompt": "p", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"prompt": "p", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (C, {"prompt": "p", "logit_bias": {"50": 101}}, 400, "logit_bias"),
+    (C, {"prompt": "p", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "p", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "p", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
+    (C, {"prompt": "p", "model": "gpt-4"}, 404, "model"),
     (C, {"prompt": "p", "model": 7}, 400, "model"),
     (C, {"prompt": "p", "cache_salt": ""}, 400, "cache_salt"),
     (C, {"prompt": "p", "cache_salt": 123}, 400, "cache_salt"),
@@ -100,12 +110,32 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": MSGS, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0].function.name"),
     (CH, {"messages": MSGS, "tools": "all"}, 400, "tools"),
     (CH, {"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice"),
-    (CH, {"messages": MSGS, "logprobs": True}, 400, "logprobs"),
+    (CH, {"messages": MSGS, "tool_choice": "sometimes", "tools": TOOLS}, 400, "tool_choice"),
+    (CH, {"messages": MSGS, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     400, "tool_choice"),
+    (CH, {"messages": MSGS, "tools": TOOLS, "tool_choice": {"type": "function"}}, 400, "tool_choice"),
+    (CH, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     400, "tools[0].function.parameters"),
+    (CH, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+     400, "tools[0].function.parameters"),
+    (CH, {"messages": MSGS, "tools": TOOLS + TOOLS}, 400, "tools"),
+    (CH, {"messages": MSGS, "logprobs": "yes"}, 400, "logprobs"),
     (CH, {"messages": MSGS, "top_logprobs": 3}, 400, "top_logprobs"),
-    (CH, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CH, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CH, {"messages": MSGS, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    (CH, {"messages": MSGS, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (CH, {"messages": MSGS, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
+    (CH, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     400, "response_format.json_schema.schema"),
+    (CH, {"messages": MSGS, "response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     400, "response_format.json_schema.schema"),
+    (CH, {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     400, "response_format"),
     (CH, {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions"),
     (CH, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_tokens"),
-    (CH, {"messages": MSGS, "n": 3}, 400, "n"),
+    (CH, {"messages": MSGS, "n": 17}, 400, "n"),
+    (CH, {"messages": MSGS, "n": -1}, 400, "n"),
     (CH, {"messages": MSGS, "cache_salt": ""}, 400, "cache_salt"),
     (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "prompt"),
 ]
@@ -138,7 +168,7 @@ def test_bad_input_is_an_openai_4xx_then_good_request_works(
 
 
 def test_a_streaming_bad_request_is_still_a_plain_400(client: TestClient) -> None:
-    r = client.post(C, json={"prompt": "p", "stream": True, "n": 2}, headers=auth())
+    r = client.post(C, json={"prompt": "p", "stream": True, "n": 0}, headers=auth())
     check_error(r, 400, "n")
     assert r.headers["content-type"].startswith("application/json")
 

@@ -1,0 +1,34 @@
+"""n > 1: the other choices of a request, forked from choice 0 once its prompt is done."""
+
+from __future__ import annotations
+
+from prefixserve.cache import PrefixCache
+from prefixserve.engine.detok import IncrementalDetokenizer
+from prefixserve.engine.protocol import TokenizerLike
+from prefixserve.engine.session import Phase, Session
+from prefixserve.runner import make_generator
+
+
+def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache) -> list[Session]:
+    """Choices 1..n-1 of `s`'s request, when choice 0 `s` has the prompt's last logits (after its
+    prefill, or from a full-hit entry still pending): each starts from a deep copy of `s`'s state, or
+    holds its own pin of the same entry (taken here; released when its copy is made or it finishes),
+    with a generator seeded seed + index and a copy of the grammar matcher. The prompt was prefilled
+    once. Sets the shared `choices` list on all of them; the caller runs and samples the new ones."""
+    assert s.index == 0 and not s.choices
+    s.choices.append(s)
+    sp = s.request.sampling
+    for index in range(1, s.request.num_choices):
+        child = Session(
+            request=s.request, detok=IncrementalDetokenizer(tokenizer, sp.stop),
+            generator=make_generator(None if sp.seed is None else sp.seed + index),
+            phase=Phase.DECODE, num_cached=s.num_cached, index=index, choices=s.choices,
+            matcher=None if s.matcher is None else s.matcher.fork(),
+        )
+        if s.state is not None:
+            child.state = s.state.clone()
+        else:
+            cache.pin(s.pending_restore)
+            child.pending_restore = s.pending_restore
+        s.choices.append(child)
+    return s.choices[1:]

@@ -1,0 +1,170 @@
+"""Tool calls: the prompt side (native template or the generic fallback), the grammar that forces a
+call, and the parser that turns the model's text into OpenAI `tool_calls`.
+
+The call syntax is Hermes-style, as the Qwen family's templates define it:
+``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``. A template that renders `tools` itself
+(its prompt changes with them) gets them natively. A template that drops them (the embedded SmolLM2)
+gets the generic fallback (docs/architecture.md, "Tool calls"): the tools and the syntax are described
+in a system message, and assistant turns that made calls are written back in the same syntax, so
+every turn of an agent loop renders the history identically and hits the prefix cache.
+
+`tool_choice` "required" or a named function is enforced by constrained decoding (`call_grammar`):
+the reply is exactly one call whose arguments match the tool's JSON schema. "auto" lets the model
+choose and parses what it wrote; "none" leaves the tools out.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallOut:
+    """One parsed call, as OpenAI returns it (arguments: a JSON string)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedReply:
+    content: str | None  # None when the reply is only calls
+    calls: tuple[ToolCallOut, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSetup:
+    """What a chat request asked of tools. `names`: the functions the model may call."""
+
+    names: tuple[str, ...]
+    parallel: bool = True  # parallel_tool_calls: several calls in one reply (False: the first only)
+
+
+def parse_tool_calls(text: str, setup: ToolSetup) -> ParsedReply:
+    """Every well-formed ``<tool_call>{json}</tool_call>`` naming a known function becomes a call; an
+    unclosed last tag is parsed to the end of the text. Anything else (text before, between and
+    after calls, invalid JSON, unknown names) stays content, unchanged apart from stripping."""
+    content, calls = _split(text, setup)
+    if not calls:
+        return ParsedReply(text, ())
+    return ParsedReply(content.strip() or None, calls)
+
+
+class ToolCallStream:
+    """Streaming side of `parse_tool_calls`: text is passed on as content until a call may start;
+    from the first ``<tool_call>`` on it is held and parsed when the choice finishes."""
+
+    def __init__(self, setup: ToolSetup) -> None:
+        self._setup = setup
+        self._held = ""  # text not yet passed on (a possible tag start, or everything after a tag)
+        self._in_call = False
+
+    def feed(self, text: str) -> str:
+        """Content safe to stream now."""
+        self._held += text
+        if self._in_call:
+            return ""
+        if (i := self._held.find(OPEN)) != -1:
+            self._in_call = True
+            out, self._held = self._held[:i], self._held[i:]
+            return out
+        keep = _partial_tag_len(self._held)
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return out
+
+    def finish(self) -> ParsedReply:
+        """The rest: content not yet streamed (None if none; whitespace kept, so that the streamed
+        content is the non-streamed one up to surrounding whitespace) and the calls."""
+        content, calls = _split(self._held, self._setup)
+        return ParsedReply((content if calls else self._held) or None, calls)
+
+
+def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The JSON schema of one call: to the named function, or to any of `tools`."""
+    options = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
+    """A Lark grammar (llguidance's dialect) for exactly one call in the Hermes syntax."""
+    return f'start: "{OPEN}" call "{CLOSE}"\ncall: %json {json.dumps(call_schema(tools, name))}\n'
+
+
+def fallback_system_message(tools: list[dict[str, Any]]) -> str:
+    """The tools and the call syntax, for a template that does not render tools itself."""
+    lines = ["You can call these functions. To call one, reply with only",
+             f'{OPEN}{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}{CLOSE}',
+             "Functions:"]
+    for tool in tools:
+        fn = tool["function"]
+        lines.append(json.dumps({"name": fn["name"], "description": fn.get("description", ""),
+                                 "parameters": fn.get("parameters") or {}}, sort_keys=True))
+    return "\n".join(lines)
+
+
+def calls_as_text(tool_calls: list[dict[str, Any]]) -> str:
+    """An assistant turn's calls written back in the call syntax (the fallback's history)."""
+    parts = []
+    for call in tool_calls:
+        fn = call.get("function", {})
+        args = fn.get("arguments", {})
+        parts.append(OPEN + json.dumps({"name": fn.get("name"), "arguments": args}, sort_keys=True) + CLOSE)
+    return "".join(parts)
+
+
+def _call_from_json(body: str, setup: ToolSetup) -> ToolCallOut | None:
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(value, dict) or value.get("name") not in setup.names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(args, dict):
+        return None
+    return ToolCallOut(name=str(value["name"]), arguments=json.dumps(args, ensure_ascii=False))
+
+
+def _partial_tag_len(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0
+
+
+def _split(text: str, setup: ToolSetup) -> tuple[str, tuple[ToolCallOut, ...]]:
+    """The text outside the calls (as it is) and the calls."""
+    calls: list[ToolCallOut] = []
+    kept: list[str] = []
+    pos = 0
+    while (start := text.find(OPEN, pos)) != -1:
+        end = text.find(CLOSE, start + len(OPEN))
+        body_end = len(text) if end == -1 else end
+        after = len(text) if end == -1 else end + len(CLOSE)
+        call = _call_from_json(text[start + len(OPEN) : body_end], setup)
+        kept.append(text[pos:start] if call is not None else text[pos:after])
+        if call is not None and (setup.parallel or not calls):
+            calls.append(call)
+        pos = after
+    kept.append(text[pos:])
+    return "".join(kept), tuple(calls)

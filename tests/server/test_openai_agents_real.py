@@ -1,0 +1,159 @@
+"""The surface agents use, end to end: a real `prefixserve serve` process with the embedded model,
+driven by the official `openai` client and by the OpenAI Agents SDK (`openai-agents`).
+
+The embedded model's tool calling is weak, so tool calls are forced (tool_choice) where a test needs
+one; what is tested is the protocol: the call's shape, its arguments valid against the schema, the
+round trip with a `role: tool` result, and the cache hit on the shared history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel
+
+from tests.helpers.server_proc import ServerProcess, server_fixture
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-agents-a-111"
+server = server_fixture(["--api-key", KEY, "--no-ledger"], scope="module")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "system", "content": "You are a helpful assistant."},
+       {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def client(srv: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=srv.openai_url, api_key=KEY, max_retries=0, timeout=300)
+
+
+def model_id(srv: ServerProcess) -> str:
+    return client(srv).models.list().data[0].id
+
+
+def test_n_choices_with_a_seed_are_reproducible(server: ServerProcess) -> None:
+    c, m = client(server), model_id(server)
+    kw: dict[str, Any] = {"model": m, "messages": ASK, "max_tokens": 5, "n": 4, "seed": 11, "temperature": 1.0}
+    a, b = c.chat.completions.create(**kw), c.chat.completions.create(**kw)
+    assert [ch.index for ch in a.choices] == [0, 1, 2, 3]
+    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
+    assert a.usage is not None and b.usage is not None and b.usage.prompt_tokens_details is not None
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens  # counted once, not 4 times
+    assert a.usage.completion_tokens == 20  # 4 choices x 5 tokens (unless one stops early)
+    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens  # the whole prompt hit
+    assert a.system_fingerprint and a.system_fingerprint == b.system_fingerprint
+
+
+def test_top_logprobs_under_greedy_lead_with_the_sampled_token(server: ServerProcess) -> None:
+    r = client(server).chat.completions.create(model=model_id(server), messages=ASK, max_tokens=4,
+                                               temperature=0, logprobs=True, top_logprobs=5)
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 5
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+
+
+class City(BaseModel):
+    name: str
+    population: int
+    coastal: bool
+
+
+def test_parse_returns_a_pydantic_object(server: ServerProcess) -> None:
+    r = client(server).chat.completions.parse(
+        model=model_id(server), max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Describe the city of Lisbon as JSON."}], response_format=City)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, City) and r.choices[0].finish_reason == "stop"
+    r = client(server).chat.completions.create(
+        model=model_id(server), max_tokens=60, temperature=0.8, seed=1, n=2,
+        messages=[{"role": "user", "content": "Any JSON."}], response_format={"type": "json_object"})
+    for ch in r.choices:  # a reply cut by max_tokens is cut JSON, as with OpenAI; else it parses
+        assert ch.finish_reason == "length" or isinstance(json.loads(ch.message.content or ""), dict)
+
+
+def test_forced_tool_call_round_trip_streamed_and_not_hits_the_cache(server: ServerProcess) -> None:
+    c, m = client(server), model_id(server)
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model=m, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=40,
+                                  temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    stream = c.chat.completions.create(model=m, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=40,
+                                       temperature=0, stream=True)
+    name, args, reasons = "", "", []
+    for chunk in stream:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                name += tc.function.name or "" if tc.function else ""
+                args += tc.function.arguments or "" if tc.function else ""
+            reasons.append(ch.finish_reason)
+    assert (name, args) == ("get_weather", call.function.arguments) and reasons[-1] == "tool_calls"
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18, "sky": "clear"}'}]
+    final = c.chat.completions.create(model=m, messages=history, tools=[WEATHER], max_tokens=12, temperature=0)
+    assert final.choices[0].message.content and final.choices[0].finish_reason in ("stop", "length")
+    details = final.usage.prompt_tokens_details  # type: ignore[union-attr]
+    assert details is not None and details.cached_tokens > 0  # the shared history was cached
+
+
+def test_required_tool_choice_and_unknown_model(server: ServerProcess) -> None:
+    c, m = client(server), model_id(server)
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+    r = c.chat.completions.create(model=m, messages=[{"role": "user", "content": "Add 2 and 3."}],
+                                  tools=[WEATHER, add], tool_choice="required", max_tokens=40, temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name in ("get_weather", "add")
+    args = json.loads(calls[0].function.arguments)
+    assert set(args) == ({"city"} if calls[0].function.name == "get_weather" else {"a", "b"})
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-9", messages=ASK, max_tokens=2)
+    assert isinstance(e.value.body, dict) and e.value.body.get("code") == "model_not_found"
+
+
+def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"18 degrees and clear in {city}"
+
+    async def go() -> Any:
+        model = OpenAIChatCompletionsModel(model=model_id(server), openai_client=openai.AsyncOpenAI(
+            base_url=server.openai_url, api_key=KEY, max_retries=0, timeout=300))
+        agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=model,
+                      tools=[get_weather], tool_use_behavior="stop_on_first_tool",  # a weak model would call again
+                      model_settings=ModelSettings(tool_choice="get_weather", max_tokens=60, temperature=0))
+        return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
+    result = asyncio.run(go())
+    assert len(seen) == 1 and seen[0]  # the SDK parsed our tool call and ran the tool with its argument
+    assert result.final_output == f"18 degrees and clear in {seen[0]}"

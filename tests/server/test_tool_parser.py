@@ -1,0 +1,78 @@
+"""The Hermes-style tool-call parser on strings: edge cases, streaming, the forced-call grammar."""
+
+from __future__ import annotations
+
+import json
+
+from prefixserve.engine.grammar import check_constraint
+from prefixserve.server.tools import (
+    ToolCallStream,
+    ToolSetup,
+    call_grammar,
+    calls_as_text,
+    fallback_system_message,
+    parse_tool_calls,
+)
+from prefixserve.types import Constraint
+
+SETUP = ToolSetup(names=("get_weather", "add"))
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add"}}]
+
+
+def calls(text: str, setup: ToolSetup = SETUP) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(text, setup).calls]
+
+
+def test_one_call_no_content() -> None:
+    r = parse_tool_calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', SETUP)
+    assert r.content is None and [(c.name, c.arguments) for c in r.calls] == [("get_weather", '{"city": "Paris"}')]
+    assert r.calls[0].id.startswith("call_")
+
+
+def test_text_before_between_and_after_calls_is_content() -> None:
+    text = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call> and '
+            '<tool_call>{"name": "add", "parameters": {"x": 1}}</tool_call> done.')
+    r = parse_tool_calls(text, SETUP)
+    assert r.content == "Let me check.  and  done."
+    assert calls(text) == [("get_weather", {"city": "A"}), ("add", {"x": 1})]
+    assert calls(text, ToolSetup(names=SETUP.names, parallel=False)) == [("get_weather", {"city": "A"})]
+
+
+def test_unclosed_last_tag_is_parsed_to_the_end() -> None:
+    assert calls('<tool_call>{"name": "add", "arguments": {"a": 2}}') == [("add", {"a": 2})]
+    r = parse_tool_calls('<tool_call>{"name": "add", "argum', SETUP)
+    assert r.calls == () and r.content == '<tool_call>{"name": "add", "argum'
+
+
+def test_invalid_json_unknown_names_and_bad_arguments_stay_content() -> None:
+    for text in ('<tool_call>{not json}</tool_call>', '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "add", "arguments": [1]}</tool_call>', '<tool_call>[1, 2]</tool_call>',
+                 'plain text', ''):
+        r = parse_tool_calls(text, SETUP)
+        assert r.calls == () and r.content == text
+    mixed = '<tool_call>{bad}</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    r = parse_tool_calls(mixed, SETUP)
+    assert r.content == "<tool_call>{bad}</tool_call>" and calls(mixed) == [("add", {})]
+
+
+def test_stream_passes_text_until_a_tag_may_start() -> None:
+    s = ToolCallStream(SETUP)
+    assert s.feed("Hello <tool") == "Hello "  # "<tool" may start a tag: held
+    assert s.feed("box> x") == "<toolbox> x"
+    assert s.feed(' <tool_call>{"name": "add", ') == " "
+    assert s.feed('"arguments": {}}</tool_call>') == ""
+    r = s.finish()
+    assert r.content is None and [c.name for c in r.calls] == ["add"]
+    s = ToolCallStream(SETUP)
+    assert s.feed("no calls <tool_c") == "no calls "
+    assert s.finish().content == "<tool_c" and s.finish().calls == ()
+
+
+def test_forced_grammar_compiles_and_history_round_trips() -> None:
+    check_constraint(Constraint("lark", call_grammar(TOOLS, None)))
+    check_constraint(Constraint("lark", call_grammar(TOOLS, "get_weather")))
+    text = calls_as_text([{"function": {"name": "add", "arguments": {"a": 1}}}])
+    assert calls(text) == [("add", {"a": 1})]
+    assert '"name": "get_weather"' in fallback_system_message(TOOLS)
