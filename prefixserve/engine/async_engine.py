@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from prefixserve.engine import control
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
+from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.types import (
     Delta,
     FinishReason,
@@ -160,7 +161,8 @@ class AsyncEngine:
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 "(including at least one generated token)"
             )
-        need, budget = self.core.session_bytes(request), self.core.config.max_session_bytes
+        need = kv_bytes_needed(request, self.core.max_model_len, self.core.runner.kv_bytes_per_token())
+        budget = self.core.config.max_session_bytes
         if need > budget:
             raise InvalidRequest(
                 f"the prompt plus max_tokens needs {need:,} bytes of KV, more than the server's session "
@@ -236,7 +238,7 @@ class AsyncEngine:
             "engine_exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
             "engine_reserved_session_bytes": float(self.core._reserved_bytes),
             "engine_max_session_bytes": float(self.core.config.max_session_bytes),
-            "engine_oldest_wait_seconds": float(self.core.oldest_wait_s()),
+            "engine_oldest_wait_seconds": time.monotonic() - self.core.waiting[0].arrival if self.core.waiting else 0.0,
             # per tier (docs/cache.md): RAM's figures under their tier name, then the disk tier's
             "cache_ram_hits": float(hits),
             "cache_ram_bytes": float(self.core.cache.num_bytes),

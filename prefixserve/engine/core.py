@@ -22,7 +22,7 @@ from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
-from prefixserve.engine.session import Phase, Session
+from prefixserve.engine.session import Phase, Session, kv_bytes_needed
 from prefixserve.runner import (
     ModelRunner,
     StepItem,
@@ -209,17 +209,13 @@ class EngineCore:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def oldest_wait_s(self) -> float:
-        """How long the oldest waiting request has waited for admission (0 when none waits)."""
-        return time.monotonic() - self.waiting[0].arrival if self.waiting else 0.0
-
     # ---- admission: cache lookup and restore --------------------------------------------------
 
     def _admit(self) -> None:
         if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
             self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            need = self.session_bytes(self.waiting[0].request)
+            need = kv_bytes_needed(self.waiting[0].request, self.max_model_len, self.runner.kv_bytes_per_token())
             if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
                 break  # waits until running sessions finish and free their share
             s = self.waiting.popleft()
@@ -254,13 +250,6 @@ class EngineCore:
         s.phase = Phase.PREFILL
         # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
         self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
-
-    def session_bytes(self, request: Request) -> int:
-        """The KV bytes a session may grow to (prompt + max_tokens, within the context): what
-        admission reserves against `max_session_bytes`. Its KV is allocated as it grows."""
-        sp = request.sampling
-        num_tokens = min(self.max_model_len, len(request.prompt_ids) + sp.max_tokens)
-        return num_tokens * self.runner.kv_bytes_per_token()
 
     def _restore(self, s: Session) -> None:
         """Give the session its own state: a deep copy of the pinned hit, or a fresh one, with room for

@@ -101,3 +101,10 @@ class TurnRefill:
     namespace: Namespace
     token_ids: tuple[int, ...]
     state: SessionState
+
+
+def kv_bytes_needed(request: Request, max_model_len: int, kv_bytes_per_token: int) -> int:
+    """The KV bytes a session may grow to (prompt + max_tokens, within the context): what admission
+    reserves against `max_session_bytes`. The KV itself is allocated as it grows."""
+    num_tokens = min(max_model_len, len(request.prompt_ids) + request.sampling.max_tokens)
+    return num_tokens * kv_bytes_per_token
