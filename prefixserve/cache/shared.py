@@ -1,32 +1,16 @@
-"""The shared tier (L3) on Redis: entries written after they are computed, read back on a local
-miss, by every replica of a deployment. Contracts, keys and value format: docs/cache.md, "Shared tier".
-
-Threads: the engine thread calls `find`, `offer`, `flush`, `stats`; one writer thread sends values;
-LOADER_THREADS threads probe and read them (network-bound, so one session's slow read does not hold
-up another's lookup). Counters and the job queue are guarded by `_lock`, the connection's health by
-the Link's; network IO and (de)serialisation run outside both.
-
-Keys (no tenant id or salt, only the digests of cache/tier.py):
-    <prefix>:<tenant digest>:<salt digest>:<model digest>:<token digest>   the value
-    <prefix>:<tenant digest>:<salt digest>:<model digest>:len              ZSET of entry lengths
-    <prefix>:<tenant digest>:<salt digest>:<model digest>:p:<token digest>  marker: the key of an entry
-                                                  extending that prefix (every 64 tokens of an entry)
-A value is the disk tier's file (same header: fingerprint, runtime, digests, token ids; same
-checksum) followed by HMAC-SHA256(secret, key name + file). It is used only if the MAC, the
-checksum, the fingerprint, the runtime, the digests and the token ids all match; otherwise it is
-deleted and counted. Redis being down, slow or full is a miss (or a dropped write), a rate-limited
-log line and a metric, never an error; after a failure the tier is skipped for a back-off
-(0.25 s doubling to 8 s) and then tried again.
-"""
+"""The shared tier (L3) on Redis, read on a local miss by every replica (docs/cache.md, "Shared
+tier"; key names and the value MAC: cache/shared_keys.py). The engine thread calls `find`, `offer`,
+`flush`, `stats`; a writer thread and LOADER_THREADS loaders do the network IO outside `_lock`
+(counters, job queue) and the Link's lock (connection health). Redis down, slow or full is a miss or
+a dropped write, a rate-limited log line and a metric, never an error; after a failure the tier is
+skipped for a back-off (0.25 s doubling to 8 s)."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,17 +19,17 @@ from typing import Any
 
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file
 from prefixserve.cache.entry import FlushResult
+from prefixserve.cache.shared_keys import MAC_BYTES, add, lcp, mac, ns_prefix, scope_pattern, token_digest
 from prefixserve.cache.shared_link import Link
-from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, digest, disk_ns
+from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, disk_ns
 from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope, Namespace
 
-log = logging.getLogger("prefixserve.cache")
+log = logging.getLogger("prefixserve.cache")  # constants below: docs/cache.md, "Shared tier"
 MAX_PENDING_WRITES = 64  # values are whole states (MBs): more queued than this are dropped, counted
 MAX_CANDIDATES = 8  # entry lengths probed per lookup, longest first
 LOADER_THREADS = 4
 MARK_TOKENS = 64  # a marker every this many tokens of an entry names it, so a prompt sharing part of it finds it
-MAC_BYTES = 32
 
 
 @dataclass(slots=True)
@@ -104,7 +88,7 @@ class SharedTier:
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
             self._pending = deque(j for j in self._pending if not scope.selects(j[0]))
-        pattern = self._scope_pattern(scope)
+        pattern = scope_pattern(self.config.prefix, scope)
         num_entries = num_bytes = 0
 
         def scan_delete() -> None:
@@ -113,9 +97,9 @@ class SharedTier:
             for key in self._redis.scan_iter(match=pattern, count=1000):
                 batch.append(key)
                 if len(batch) >= 500:
-                    num_entries, num_bytes = _add(self._delete(batch), (num_entries, num_bytes))
+                    num_entries, num_bytes = add(self._delete(batch), (num_entries, num_bytes))
                     batch = []
-            num_entries, num_bytes = _add(self._delete(batch), (num_entries, num_bytes))
+            num_entries, num_bytes = add(self._delete(batch), (num_entries, num_bytes))
 
         self._link.call("flush", scan_delete, None)
         with self._lock:
@@ -166,16 +150,11 @@ class SharedTier:
     # ---- keys and values (pure) -----------------------------------------------------------------
 
     def key(self, ns: Namespace, token_ids: Sequence[int]) -> str:
-        return f"{self._ns_prefix(ns)}:{_token_digest(token_ids)}"
+        return f"{ns_prefix(self.config.prefix, ns)}:{token_digest(token_ids)}"
 
     def encode(self, key: str, header: FileHeader, payload: bytes) -> bytes:
         body = encode_file(header, payload)
-        return body + self._mac(key, body)
-
-    def _mac(self, key: str, body: bytes | memoryview) -> bytes:
-        h = hmac.new(self.config.secret, key.encode() + b"\0", hashlib.sha256)
-        h.update(body)
-        return h.digest()
+        return body + mac(self.config.secret, key, body)
 
     # ---- loader / writer threads ----------------------------------------------------------------
 
@@ -183,14 +162,14 @@ class SharedTier:
         t0 = time.monotonic()
         with self._lock:
             self._c.num_lookups += 1
-        base = self._ns_prefix(ns)
+        base = ns_prefix(self.config.prefix, ns)
         marks = range(MARK_TOKENS, len(prompt) + 1, MARK_TOKENS)
 
         def probe() -> list[Any]:  # one round trip: the length index and every marker on the prompt's path
             pipe = self._redis.pipeline(transaction=False)
             pipe.zrevrangebyscore(base + ":len", len(prompt), min_tokens, start=0, num=MAX_CANDIDATES)
             for k in marks:
-                pipe.get(f"{base}:p:{_token_digest(prompt[:k])}")
+                pipe.get(f"{base}:p:{token_digest(prompt[:k])}")
             return pipe.execute()
 
         got = self._link.call("lookup", probe, None)
@@ -212,7 +191,7 @@ class SharedTier:
             with self._lock:
                 self._c.num_hits += 1
             result = self._verify(ns, key, token_ids, value)
-            if isinstance(result, Loaded) and _lcp(result.token_ids, prompt) < min_tokens:
+            if isinstance(result, Loaded) and lcp(result.token_ids, prompt) < min_tokens:
                 result = LoadFailed("the marked entry shares too little of the prompt")
             if isinstance(result, LoadFailed):
                 with self._lock:
@@ -230,10 +209,10 @@ class SharedTier:
     def _verify(self, ns: Namespace, key: str, token_ids: tuple[int, ...] | None, value: bytes) -> Loaded | LoadFailed:
         """The decoded state of `value` read under `key` (holding `token_ids`, or None: whatever tokens
         `key` names), or LoadFailed (the value is then deleted)."""
-        body, mac = memoryview(value)[:-MAC_BYTES], value[-MAC_BYTES:]
+        body, tag = memoryview(value)[:-MAC_BYTES], value[-MAC_BYTES:]
         dns = disk_ns(ns)
         try:
-            if len(value) <= MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, body)):
+            if len(value) <= MAC_BYTES or not hmac.compare_digest(tag, mac(self.config.secret, key, body)):
                 raise CorruptFile("HMAC mismatch (tampered, or written under another secret)")
             header, payload = read_file(body)
             if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
@@ -292,8 +271,8 @@ class SharedTier:
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(key, value)
             for k in range(MARK_TOKENS, len(token_ids) + 1, MARK_TOKENS):  # markers: this entry extends that prefix
-                pipe.set(f"{self._ns_prefix(ns)}:p:{_token_digest(token_ids[:k])}", key)
-            pipe.zadd(self._ns_prefix(ns) + ":len", {str(len(token_ids)): len(token_ids)})
+                pipe.set(f"{ns_prefix(self.config.prefix, ns)}:p:{token_digest(token_ids[:k])}", key)
+            pipe.zadd(ns_prefix(self.config.prefix, ns) + ":len", {str(len(token_ids)): len(token_ids)})
             pipe.execute()
             return True
 
@@ -319,25 +298,3 @@ class SharedTier:
         sizes = pipe.execute()
         self._redis.unlink(*keys)
         return len(values), sum(int(s) for s in sizes)
-
-    def _ns_prefix(self, ns: Namespace) -> str:
-        dns = disk_ns(ns)
-        return f"{self.config.prefix}:{dns.tenant_id}:{dns.cache_salt}:{dns.model_id}"
-
-    def _scope_pattern(self, scope: FlushScope) -> str:
-        tenant = "*" if scope.tenant_id is None else digest("tenant", scope.tenant_id)
-        if scope.cache_salt is None:
-            return f"{self.config.prefix}:{tenant}:*" if scope.tenant_id is not None else f"{self.config.prefix}:*"
-        return f"{self.config.prefix}:{tenant}:{digest('salt', scope.cache_salt)}:*"
-
-
-def _token_digest(token_ids: Sequence[int]) -> str:
-    return hashlib.blake2b(array("i", token_ids).tobytes(), digest_size=16).hexdigest()
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    return a[0] + b[0], a[1] + b[1]
