@@ -38,8 +38,9 @@ def make_engine(**engine_kw) -> AsyncEngine:
     return AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
 
 
-def request(ids: list[int], max_tokens: int = 8, rid: str | None = None) -> Request:
-    return Request(rid or uuid.uuid4().hex, NS, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+def request(ids: list[int], max_tokens: int = 8, rid: str | None = None, ignore_eos: bool = False) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    return Request(rid or uuid.uuid4().hex, NS, tuple(ids), sp)
 
 
 async def collect(engine: AsyncEngine, req: Request) -> tuple[list[int], Delta]:
@@ -133,7 +134,7 @@ def test_an_unrecoverable_fault_ends_every_open_stream_within_two_seconds(monkey
     ps = prompts()
 
     async def go():
-        streams = [engine.generate(request(p, max_tokens=400)) for p in ps]
+        streams = [engine.generate(request(p, max_tokens=400, ignore_eos=True)) for p in ps]
         for g in streams:
             await g.__anext__()
         monkeypatch.setattr(engine.core, "has_work", lambda: (_ for _ in ()).throw(RuntimeError("loop broke")))
@@ -172,7 +173,7 @@ def test_usage_on_abort_is_what_was_computed():
     long_prompt = ps[0] * 20  # about ten prefill chunks of 64 tokens
 
     async def go():
-        first = engine.generate(request(ps[1], max_tokens=200, rid="decoding"))
+        first = engine.generate(request(ps[1], max_tokens=400, rid="decoding", ignore_eos=True))
         await first.__anext__()  # admitted, decoding
         queued = engine.generate(request(ps[2], rid="queued"))
         task = asyncio.ensure_future(queued.__anext__())
@@ -232,7 +233,7 @@ def test_a_full_queue_answers_overloaded():
     ps = prompts()
 
     async def go():
-        running = engine.generate(request(ps[0], max_tokens=200))
+        running = engine.generate(request(ps[0], max_tokens=400, ignore_eos=True))  # still running below
         await running.__anext__()
         waiting = asyncio.ensure_future(collect(engine, request(ps[1], max_tokens=2)))
         await asyncio.sleep(0.3)
