@@ -29,7 +29,7 @@ from prefixserve.types import (
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
-METRICS_EVERY_S = 0.25  # the engine thread refreshes the metrics snapshot at most this often
+METRICS_WAIT_S = 2.0  # /metrics waits this long for the engine to finish its step, then serves the last view
 MAX_FAILED_STEPS = 3  # failed steps in a row (no progress) after which every request is failed
 
 
@@ -109,10 +109,11 @@ class AsyncEngine:
         self._stop = False
         self._last_failure: str | None = None  # the last failed step (its requests failed; serving went on)
         self._dead: str | None = None  # why the engine loop cannot continue; then every request ends at once
+        # held by the engine thread while it touches the core (inbox work, a step); /metrics takes it to
+        # read the cache and counters between steps, never while the engine thread mutates them
+        self._core_lock = threading.Lock()
         self._metrics: dict[str, float] = {}
-        self._metrics_at = 0.0
         core.emit = self._emit
-        self._snapshot_metrics()  # before the engine thread starts: after that, only it reads the core
         self._thread = thread or TorchThread()
         self._thread.run_last(self._run)
 
@@ -202,13 +203,14 @@ class AsyncEngine:
         return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:
-        """The engine thread's latest snapshot (at most METRICS_EVERY_S old): the cache and counters
-        are only ever read on the thread that mutates them."""
+        """Read between two steps, under the engine's lock (the engine thread mutates the cache and
+        counters only while it holds it). If a step runs longer than METRICS_WAIT_S, the last view."""
+        if self._core_lock.acquire(timeout=METRICS_WAIT_S):
+            try:
+                self._metrics = self._collect_metrics()
+            finally:
+                self._core_lock.release()
         return dict(self._metrics)
-
-    def _snapshot_metrics(self) -> None:
-        self._metrics_at = time.monotonic()
-        self._metrics = self._collect_metrics()
 
     def _collect_metrics(self) -> dict[str, float]:
         st = self.core.cache.stats()
@@ -286,26 +288,28 @@ class AsyncEngine:
         failed_in_a_row = 0
         try:
             while not self._stop:
-                self._drain_inbox()
-                if time.monotonic() - self._metrics_at > METRICS_EVERY_S:
-                    self._snapshot_metrics()
-                if not self.core.has_work():
+                with self._core_lock:
+                    self._drain_inbox()
+                    idle = not self.core.has_work()
+                if idle:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 try:
-                    self.core.step()
+                    with self._core_lock:
+                        self.core.step()
                     failed_in_a_row = 0
                 except Exception as e:  # a bug or OOM in one batch: isolate it, keep serving the rest
                     failed_in_a_row += 1
                     message = f"{type(e).__name__}: {e}"
                     log.exception("engine step failed")
                     self._last_failure = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"
-                    if failed_in_a_row >= MAX_FAILED_STEPS:
-                        self.core.abort_all(FinishReason.ERROR, error=message)
-                        failed_in_a_row = 0
-                    else:
-                        control.recover(self.core, message)
+                    with self._core_lock:
+                        if failed_in_a_row >= MAX_FAILED_STEPS:
+                            self.core.abort_all(FinishReason.ERROR, error=message)
+                            failed_in_a_row = 0
+                        else:
+                            control.recover(self.core, message)
         except Exception as e:  # the loop itself broke: nothing can be trusted to run any more
             log.exception("the engine loop stopped")
             self._die(f"{type(e).__name__}: {e}")
