@@ -25,7 +25,16 @@ from typing import Any
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
 from prefixserve.cache.entry import Entry, FlushResult, Hit
 from prefixserve.cache.prefix_cache import PrefixCache
-from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, disk_ns, ns_digest, selects
+from prefixserve.cache.tier import (
+    Codec,
+    Loaded,
+    LoadFailed,
+    TierCounters,
+    WriteBehind,
+    disk_ns,
+    ns_digest,
+    selects,
+)
 from prefixserve.config import CacheConfig
 from prefixserve.types import FlushScope, Namespace
 
@@ -47,7 +56,7 @@ class DiskRef:
         return [(self.path, self.nbytes)]
 
 
-class DiskTier:
+class DiskTier(WriteBehind):
     def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec) -> None:
         """Scan `directory` (created, mode 0700): keep intact files of this fingerprint and runtime,
         remove the rest, evict LRU (by mtime) over `max_bytes`. Starts the writer and loader threads."""
@@ -122,25 +131,9 @@ class DiskTier:
                        disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._pending)))
             return out
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until every queued write has landed; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._pending or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(min(left, 0.05))
-        return True
-
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (up to `timeout`), then stop both threads."""
-        self.wait_idle(timeout)
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._writer.join(timeout)
-        self._loader.shutdown(wait=True)
+        self._stop_threads(timeout)
 
     def check_integrity(self) -> None:
         """The index's invariants; every indexed file exists with its counted size."""

@@ -21,7 +21,7 @@ from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, 
 from prefixserve.cache.entry import FlushResult
 from prefixserve.cache.shared_keys import MAC_BYTES, add, lcp, mac, ns_prefix, scope_pattern, token_digest
 from prefixserve.cache.shared_link import Link
-from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, disk_ns
+from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, WriteBehind, disk_ns
 from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope, Namespace
 
@@ -37,7 +37,7 @@ class SharedCounters:
     num_present: int = 0  # writes skipped: the key was there already (another replica wrote it)
 
 
-class SharedTier:
+class SharedTier(WriteBehind):
     def __init__(self, config: SharedTierConfig, fingerprint: str, runtime: str, codec: Codec) -> None:
         """Connects lazily (a Redis down at start is a miss, like one that goes down later); starts the
         writer and loader threads."""
@@ -118,25 +118,9 @@ class SharedTier:
                        redis_errors=float(self._link.num_errors))
             return out
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until every queued write has been sent (or dropped); False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._pending or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(min(left, 0.05))
-        return True
-
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued (up to `timeout`), then stop both threads and the connections."""
-        self.wait_idle(timeout)
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._writer.join(timeout)
-        self._loader.shutdown(wait=True)
+        self._stop_threads(timeout)
         self._link.close()
 
     def check_integrity(self) -> None:

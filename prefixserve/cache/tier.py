@@ -4,6 +4,10 @@ named outside RAM, the runtime's codec, and the named results of a load. See doc
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from collections.abc import Sized
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,3 +69,36 @@ def ns_digest(dns: Namespace) -> str:
 def selects(scope: FlushScope, dns: Namespace) -> bool:
     return (scope.tenant_id is None or dns.tenant_id == digest("tenant", scope.tenant_id)) and (
         scope.cache_salt is None or dns.cache_salt == digest("salt", scope.cache_salt))
+
+
+class WriteBehind:
+    """The writer-thread lifecycle the disk and shared tiers share: writes queued in `_pending` under
+    `_lock` (a Condition), sent by `_writer` (which sets `_busy` while one is in flight and exits once
+    `_closed`), loads run on `_loader`. Subclasses create those attributes."""
+
+    _lock: threading.Condition
+    _pending: Sized
+    _busy: bool
+    _closed: bool
+    _writer: threading.Thread
+    _loader: ThreadPoolExecutor
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every queued write has been done (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.05))
+        return True
+
+    def _stop_threads(self, timeout: float) -> None:
+        """Do what is queued (up to `timeout`), then stop the writer and the loaders."""
+        self.wait_idle(timeout)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._writer.join(timeout)
+        self._loader.shutdown(wait=True)

@@ -7,7 +7,8 @@ import os
 from typing import Any
 
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
-from prefixserve.engine.async_engine import AsyncEngine, TorchThread
+from prefixserve.engine.async_engine import AsyncEngine
+from prefixserve.engine.torch_thread import TorchThread
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineClient, EngineHealth
 

@@ -1,0 +1,56 @@
+"""Key names and value authentication of the shared tier (cache/shared.py). Pure functions.
+
+Keys carry no tenant id or salt, only the digests of cache/tier.py:
+    <prefix>:<tenant digest>:<salt digest>:<model digest>:<token digest>   the value
+    <prefix>:<tenant digest>:<salt digest>:<model digest>:len              ZSET of entry lengths
+    <prefix>:<tenant digest>:<salt digest>:<model digest>:p:<token digest>  marker: the key of an entry
+                                                  extending that prefix (every 64 tokens of an entry)
+A value is the disk tier's file (same header: fingerprint, runtime, digests, token ids; same
+checksum) followed by HMAC-SHA256(secret, key name + file). It is used only if the MAC, the
+checksum, the fingerprint, the runtime, the digests and the token ids all match; otherwise it is
+deleted and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from array import array
+from collections.abc import Sequence
+
+from prefixserve.cache.tier import digest, disk_ns
+from prefixserve.types import FlushScope, Namespace
+
+MAC_BYTES = 32  # HMAC-SHA256, appended to every value
+
+
+def ns_prefix(prefix: str, ns: Namespace) -> str:
+    dns = disk_ns(ns)
+    return f"{prefix}:{dns.tenant_id}:{dns.cache_salt}:{dns.model_id}"
+
+
+def scope_pattern(prefix: str, scope: FlushScope) -> str:
+    """The SCAN pattern of every key a flush of `scope` removes."""
+    tenant = "*" if scope.tenant_id is None else digest("tenant", scope.tenant_id)
+    if scope.cache_salt is None:
+        return f"{prefix}:{tenant}:*" if scope.tenant_id is not None else f"{prefix}:*"
+    return f"{prefix}:{tenant}:{digest('salt', scope.cache_salt)}:*"
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.blake2b(array("i", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def mac(secret: bytes, key: str, body: bytes | memoryview) -> bytes:
+    """HMAC-SHA256 over the key name and the value's file bytes (a value cannot move to another key)."""
+    h = hmac.new(secret, key.encode() + b"\0", hashlib.sha256)
+    h.update(body)
+    return h.digest()
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
