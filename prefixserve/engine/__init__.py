@@ -83,7 +83,7 @@ def _build_core(
         max_len = min(max_len, model_config.max_model_len)
     core = EngineCore(
         runner=runner,
-        tokenizer=loaded.tokenizer,
+        tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
         cache=PrefixCache(cache_config),
         config=engine_config,
         max_model_len=max_len,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -15,15 +16,21 @@ from prefixserve.types import TemplateError
 class Tokenizer:
     """Wraps a transformers tokenizer. Thread-safe: one lock around every call, since a Hugging Face
     fast tokenizer used from two threads at once can fail ("Already borrowed", huggingface/tokenizers
-    #537) and the server encodes on worker threads while the engine thread decodes. Calls are short
-    (microseconds to a few ms), so the lock costs less than a tokenizer per thread would in memory."""
+    #537). The server's worker threads share one instance under its lock; the engine thread gets its
+    own copy (`copy()`), so encoding a huge prompt never holds up the streams it detokenises."""
 
     def __init__(self, hf_tokenizer: Any, extra_eos_ids: Sequence[int] = ()) -> None:
         self.hf = hf_tokenizer
+        self._extra_eos_ids = tuple(extra_eos_ids)
         self._lock = threading.Lock()
         eos = [i for i in [hf_tokenizer.eos_token_id, *extra_eos_ids] if isinstance(i, int)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(hf_tokenizer)
+
+    def copy(self) -> Tokenizer:
+        """An independent tokenizer (its own backend and lock) for another thread."""
+        with self._lock:
+            return Tokenizer(copy.deepcopy(self.hf), self._extra_eos_ids)
 
     def encode(self, text: str) -> list[int]:
         with self._lock:
