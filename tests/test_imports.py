@@ -1,4 +1,4 @@
-"""The direction of imports (DESIGN.md §2), checked by parsing every module."""
+"""The direction of imports (docs/architecture.md), checked by parsing every module."""
 
 from __future__ import annotations
 

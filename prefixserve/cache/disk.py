@@ -149,11 +149,10 @@ class DiskTier(WriteBehind):
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._pending and not self._closed:
-                    self._lock.wait()
-                if not self._pending:
+                job = self._take_write()
+                if job is None:
                     return
-                ns, key, state, epoch = self._pending.popleft()
+                ns, key, state, epoch = job
                 dns = disk_ns(ns)
                 path = self._path(dns, key)
                 held = self._index.get(dns, key)  # written already (with logits if these have them)

@@ -223,11 +223,10 @@ class SharedTier(WriteBehind):
     def _write_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._pending and not self._closed:
-                    self._lock.wait()
-                if not self._pending:
+                job = self._take_write()
+                if job is None:
                     return
-                ns, token_ids, state, epoch = self._pending.popleft()
+                ns, token_ids, state, epoch = job
                 self._busy = True
             try:
                 self._write(ns, token_ids, state, epoch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sized
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -77,7 +77,7 @@ class WriteBehind:
     `_closed`), loads run on `_loader`. Subclasses create those attributes."""
 
     _lock: threading.Condition
-    _pending: Sized
+    _pending: deque[Any]
     _busy: bool
     _closed: bool
     _writer: threading.Thread
@@ -93,6 +93,13 @@ class WriteBehind:
                     return False
                 self._lock.wait(min(left, 0.05))
         return True
+
+    def _take_write(self) -> Any | None:
+        """The next queued write, waiting for one; None once closed with nothing left. The caller
+        holds `_lock`."""
+        while not self._pending and not self._closed:
+            self._lock.wait()
+        return self._pending.popleft() if self._pending else None
 
     def _stop_threads(self, timeout: float) -> None:
         """Do what is queued (up to `timeout`), then stop the writer and the loaders."""
