@@ -241,6 +241,8 @@ class AsyncEngine:
                     self._drain_inbox()
                     idle = not self.core.has_work()
                 if idle:
+                    if self._background():
+                        continue  # one layer at a time: the inbox is looked at again after each
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -262,6 +264,18 @@ class AsyncEngine:
         except Exception as e:  # the loop itself broke: nothing can be trusted to run any more
             log.exception("the engine loop stopped")
             self._die(f"{type(e).__name__}: {e}")
+
+    def _background(self) -> bool:
+        """One layer of background work while no request waits (engine/refill.py); False when there is
+        none. A failure drops the background work (a cache optimisation) and serving goes on."""
+        try:
+            with self._core_lock:
+                return self.core.background()
+        except Exception:
+            log.exception("a turn refill failed; pending refills dropped")
+            with self._core_lock:
+                self.core.refills.drop(lambda ns: True)
+            return False
 
     def _die(self, message: str) -> None:
         """Stop serving: refuse new requests and end every open stream with the error now."""

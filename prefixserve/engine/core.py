@@ -145,7 +145,16 @@ class EngineCore:
         return control.flush(self, scope)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loads or self.refills)
+        """Requests to serve (waiting, running, loading). Turn refills are background work: the
+        engine loop runs them, a layer at a time, only while this is False (`background`)."""
+        return bool(self.waiting or self.running or self.loads)
+
+    def background(self) -> bool:
+        """One layer of background work (a turn refill, engine/refill.py); False when there is none."""
+        if not self.refills:
+            return False
+        self.refills.run_layer()
+        return True
 
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample.
@@ -178,17 +187,11 @@ class EngineCore:
             prefill_ends.append((s, start, end))
             self._last_step.append((s, None))
             budget -= end - start
-        quiet = not prefill_ends and not self.waiting and not self.suspects
-        refill = self.refills.next_item(budget) if quiet else None
-        if refill is not None:
-            items.append(refill)
         if items:
             self.runner.step(items)
             self.counters.num_steps += 1
         if self.suspects and self._last_step:
             self.suspects.remove(self._last_step[0][0])  # it ran alone and passed
-        if refill is not None:
-            self.refills.after_step()
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
             if end == s.boundary < s.prompt_len and s.state is not None and not s.state.truncatable:
@@ -228,19 +231,21 @@ class EngineCore:
 
     def _start(self, s: Session) -> None:
         req = s.request
-        if self.refills:
-            self.refills.complete_for(req.namespace, tuple(req.prompt_ids))
+        refilled = self.refills.complete_for(req.namespace, tuple(req.prompt_ids)) if self.refills else (0, 0)
         hit = self.cache.lookup(req.namespace, req.prompt_ids) if self.exact_reuse else None
         if isinstance(hit, Hit):
             self.cache.pin(hit.entry)  # held until the copy is made (now, or next step for a full hit)
             s.pending_restore = hit.entry
             s.num_cached = hit.num_cached_tokens
+            # tokens a pending refill computed just now, for this prompt: served from the cache, billed as computed
+            s.num_refilled = max(0, min(s.num_cached, refilled[1]) - refilled[0])
         lcp = 0 if hit is None else hit.lcp_len
         if MIN_BOUNDARY_TOKENS <= lcp < s.prompt_len and not (isinstance(hit, Hit) and hit.entry.num_tokens == lcp):
             s.boundary = lcp
             s.to_insert.append(lcp)
         self.counters.num_prompt_tokens += s.prompt_len
-        self.counters.num_cached_tokens += s.num_cached
+        self.counters.num_cached_tokens += s.num_cached - s.num_refilled
+        self.counters.num_computed_prompt_tokens += s.num_refilled
         if s.num_cached == s.prompt_len:
             # full hit: the entry's stored logits give the first token now; the KV copy waits a step
             s.phase = Phase.DECODE

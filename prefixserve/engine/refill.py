@@ -2,8 +2,11 @@
 
 A 4-bit decoded token's KV has other bits than prefilling it would give (docs/exactness.md), so a
 finished turn's own state is not offered to the cache. Its state is cut back to the exact prompt and
-the reply re-fed in prefill chunks: in spare budget of steps that prefill no prompt, or at once when
-the chat's next message arrives (that request would compute the same tokens itself).
+the reply re-fed in prefill chunks, off the serving path: only while the engine has nothing else to
+do, one layer at a time between its loop's turns, so a request arriving meanwhile waits one layer
+(a few ms), never a whole forward. When the chat's next message arrives first, its admission finishes
+the refill at once (the request would compute those tokens itself) and is billed for them as
+computed, not cached.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class TurnRefills:
         self.chunk_tokens = chunk_tokens
         self.store = store  # caches a finished refill's state (the engine's insert path)
         self._queue: deque[TurnRefill] = deque()
+        self._job: tuple[TurnRefill, Iterator[None]] | None = None  # the chunk under way, paused between layers
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -43,41 +47,55 @@ class TurnRefills:
         state.truncate(num_exact)
         self._queue.append(TurnRefill(ns, token_ids, state))
         if len(self._queue) > MAX_PENDING_REFILLS:
-            self._queue.popleft()
+            oldest = self._queue.popleft()
+            if self._job is not None and self._job[0] is oldest:
+                self._job = None
 
-    def next_item(self, budget: int) -> StepItem | None:
-        """The next chunk of the oldest refill within `budget` tokens; None when there is nothing to do.
-        After the step that ran it, call `after_step`."""
-        if not self._queue or budget <= 0:
-            return None
-        r = self._queue[0]
-        start = r.state.num_tokens
-        end = min(len(r.token_ids), start + min(self.chunk_tokens, budget))
-        # no logits: the next turn always extends the entry, so they could never serve a full hit
-        return StepItem(r.state, r.token_ids[start:end], want_logits=False)
-
-    def after_step(self) -> None:
-        """Store the oldest refill once it covers its whole turn."""
-        r = self._queue[0]
+    def run_layer(self) -> None:
+        """Run one layer of the oldest refill's next chunk (starting the chunk if none is under way);
+        when a chunk ends, store the refill once it covers its whole turn."""
+        if self._job is None:
+            r = self._queue[0]
+            start = r.state.num_tokens
+            end = min(len(r.token_ids), start + self.chunk_tokens)
+            # no logits: the next turn always extends the entry, so they could never serve a full hit
+            self._job = (r, self.runner.step_layers([StepItem(r.state, r.token_ids[start:end], want_logits=False)]))
+        r, layers = self._job
+        try:
+            next(layers)
+            return
+        except StopIteration:
+            pass
+        self._job = None
         if r.state.num_tokens == len(r.token_ids):
-            self._queue.popleft()
+            self._queue.remove(r)
             self.store(r.namespace, r.token_ids, r.state)
 
-    def complete_for(self, ns: Namespace, prompt_ids: tuple[int, ...]) -> None:
+    def complete_for(self, ns: Namespace, prompt_ids: tuple[int, ...]) -> tuple[int, int]:
         """Finish now every refill that the prompt continues (same namespace, same tokens past its
-        exact part), so the prompt's lookup hits the whole turn. Runs forward steps."""
+        exact part), so the prompt's lookup hits the whole turn. Runs forward steps; returns the span
+        [start, end) of prompt positions they computed ((0, 0) for none): the request is billed for
+        those as computed, not cached."""
+        span = (0, 0)
         for r in list(self._queue):
             n = r.state.num_tokens
             if r.namespace != ns or len(prompt_ids) <= n or prompt_ids[: n + 1] != r.token_ids[: n + 1]:
                 continue
+            if self._job is not None and self._job[0] is not r:
+                while self._job is not None:  # another refill's chunk is under way: finish it first
+                    self.run_layer()
             self._queue.remove(r)
             self._queue.appendleft(r)
-            while self._queue and self._queue[0] is r:
-                item = self.next_item(self.chunk_tokens)
-                assert item is not None
-                self.runner.step([item])
-                self.after_step()
+            while r in self._queue:
+                self.run_layer()
+            same = next((i for i, (a, b) in enumerate(zip(prompt_ids, r.token_ids)) if a != b),
+                        min(len(prompt_ids), len(r.token_ids)))
+            if same - n > span[1] - span[0]:
+                span = (n, same)
+        return span
 
     def drop(self, selects: Callable[[Namespace], bool]) -> None:
         """Forget the refills of the namespaces `selects` picks (a flush), or all with `lambda ns: True`."""
         self._queue = deque(r for r in self._queue if not selects(r.namespace))
+        if self._job is not None and self._job[0] not in self._queue:
+            self._job = None  # its state goes with it

@@ -38,6 +38,7 @@ class Session:
     state: SessionState | None = None
     phase: Phase = Phase.WAITING
     num_cached: int = 0
+    num_refilled: int = 0  # of num_cached: computed at admission for this prompt (a turn refill), billed as computed
     boundary: int = 0
     pending_restore: Any = None  # a pinned cache Entry to copy from before the next forward
     to_insert: list[int] = field(default_factory=list)  # lengths to snapshot into the cache after the first token
@@ -76,7 +77,7 @@ class Session:
             prompt = min(self.prompt_len, max(first.num_cached if first.phase is not Phase.WAITING else 0,
                                               first.num_computed))
         return Usage(prompt_tokens=prompt, completion_tokens=sum(len(c.output_ids) for c in group),
-                     cached_tokens=min(first.num_cached, prompt))
+                     cached_tokens=min(first.num_cached - first.num_refilled, prompt))
 
     def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
         """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary."""
@@ -94,8 +95,8 @@ class TurnRefill:
     With 4-bit decode rows a decoded token's KV has other bits than prefilling it would give, so the
     session's own state is not offered as it is. Instead (docs/exactness.md):
     # [0, num_tokens)            exact: the prompt's KV (prefilled, or copied from a cache entry)
-    # [num_tokens, len(ids))     re-fed in prefill chunks when a step has spare budget; then the
-    #                            whole turn (prompt + reply) is inserted, exact by construction
+    # [num_tokens, len(ids))     re-fed in prefill chunks while the engine idles (engine/refill.py);
+    #                            then the whole turn (prompt + reply) is inserted, exact by construction
     """
 
     namespace: Namespace

@@ -8,6 +8,7 @@ prefixes exact.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -113,9 +114,20 @@ class Decoder:
         self.lm_head_q4 = None
         self.int4_decode = False
 
-    @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """token_ids: [sum(num_new)] int64, segments in the same order.
+        """token_ids: [sum(num_new)] int64, segments in the same order; see `forward_layers`."""
+        layers = self.forward_layers(token_ids, segments)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def forward_layers(self, token_ids: torch.Tensor, segments: list[Segment]) -> Generator[None, None, torch.Tensor]:
+        """The forward pass, pausing after each layer (a background refill runs a layer at a time
+        between the engine's steps, engine/refill.py); the same calls whether paused or not.
+        token_ids: [sum(num_new)] int64, segments in the same order.
 
         Writes each segment's new K/V into its kv tensor. Returns fp32 logits [num_wanted, vocab],
         one row per segment with want_logits (its last new position), in segment order.
@@ -170,6 +182,7 @@ class Decoder:
                 gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, q4)
                 gate, up = gu.split(a.intermediate_size, dim=-1)
                 h[g0:g1] = hg + self._linear(F.silu(gate) * up, lw.down, None, lw.down_q4, q4)
+            yield
         last_rows: list[int] = []
         offset = 0
         for s in segments:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,14 @@ class ModelRunner:
     def step(self, items: Sequence[StepItem]) -> None:
         """One batched forward. Afterwards every state has consumed its tokens; states with
         want_logits hold the fp32 logits of their new last position, the others hold none."""
+        for _ in self.step_layers(items):
+            pass
+
+    def step_layers(self, items: Sequence[StepItem]) -> Iterator[None]:
+        """`step`, pausing after each layer where the decoder can (`Decoder.forward_layers`). The
+        states' lengths and logits change only when it has run to its end; an abandoned one leaves
+        K/V written past their lengths, which block attention needs zeroed
+        (`SessionState.truncate(n, force_zero=True)`) before the state is used again."""
         if not items:
             return
         items = sorted(items, key=lambda it: not it.decode)  # decode rows lead (stable: order kept)
@@ -56,7 +64,12 @@ class ModelRunner:
             segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits, it.decode,
                                     getattr(it.state, "rec", None)))
         ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.decoder.device)
-        logits = self.decoder.forward(ids, segments).clone()  # a normal tensor, not an inference tensor
+        layered = getattr(self.decoder, "forward_layers", None)
+        if layered is not None:
+            out = yield from layered(ids, segments)
+        else:  # a decoder that runs whole (models/hybrid.py: recurrent state updates in place)
+            out = self.decoder.forward(ids, segments)
+        logits = out.clone()  # a normal tensor, not an inference tensor
         row = 0
         for it in items:
             it.state.num_tokens += len(it.token_ids)
