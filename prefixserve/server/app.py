@@ -89,6 +89,8 @@ def create_app(
             "running": h.num_running,
             "waiting": h.num_waiting,
             "model": engine.model_id,
+            "max_model_len": engine.max_model_len,
+            "default_max_tokens": server_config.default_max_tokens,
         }
         return JSONResponse(body, status_code=200 if h.ok else 503)
 
@@ -99,7 +101,7 @@ def create_app(
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         keys.identify(authorization(request))
-        return {"object": "list", "data": [_model_card(engine, started)]}
+        return {"object": "list", "data": [_model_card(engine, started, server_config.default_max_tokens)]}
 
     @app.get("/v1/models/{model_name:path}")
     async def get_model(model_name: str, request: Request) -> dict[str, Any]:
@@ -108,20 +110,22 @@ def create_app(
             raise APIError(
                 404, f"The model '{model_name}' does not exist", param="model", code="model_not_found"
             )
-        return _model_card(engine, started)
+        return _model_card(engine, started, server_config.default_max_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), CompletionRequest)
         # tokenising a long prompt must not stall every other stream on the event loop
-        return await _generate(request, await run_in_threadpool(prepare_completion, body, engine, tenant_id))
+        return await _generate(request, await run_in_threadpool(prepare_completion, body, engine, tenant_id,
+                                                                        server_config.default_max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), ChatCompletionRequest)
-        return await _generate(request, await run_in_threadpool(prepare_chat, body, engine, tenant_id))
+        return await _generate(request, await run_in_threadpool(prepare_chat, body, engine, tenant_id,
+                                                                        server_config.default_max_tokens))
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> Any:
@@ -189,11 +193,12 @@ def authorization(request: Request) -> str | None:
     return values[0] if values else None
 
 
-def _model_card(engine: EngineClient, created: int) -> dict[str, Any]:
+def _model_card(engine: EngineClient, created: int, default_max_tokens: int) -> dict[str, Any]:
     return {
         "id": engine.model_id,
         "object": "model",
         "created": created,
         "owned_by": "prefixserve",
         "max_model_len": engine.max_model_len,
+        "default_max_tokens": default_max_tokens,
     }

@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any
 
+from prefixserve.config import DEFAULT_MAX_TOKENS
 from prefixserve.engine.grammar import check_constraint
 from prefixserve.engine.protocol import EngineClient, InvalidRequest, TemplateError
 from prefixserve.server import params, tools
@@ -26,8 +27,11 @@ MAX_TOP_LOGPROBS = 20
 logger = logging.getLogger("prefixserve.server")
 
 
-def prepare_chat(body: ChatCompletionRequest, engine: EngineClient, tenant_id: str) -> Prepared:
-    """Validate a chat body for `tenant_id` and render its prompt. Raises APIError(400)."""
+def prepare_chat(
+    body: ChatCompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> Prepared:
+    """Validate a chat body for `tenant_id` and render its prompt. Raises APIError(400).
+    `default_max_tokens`: the server's cap for a request that names none (`--default-max-tokens`)."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
@@ -47,8 +51,7 @@ def prepare_chat(body: ChatCompletionRequest, engine: EngineClient, tenant_id: s
     prompt_ids = render_prompt(engine, messages, tool_list)
     check_fits(len(prompt_ids), engine.max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    remaining = max(1, engine.max_model_len - len(prompt_ids))  # no limit given: until the context fills
-    sampling = params.sampling_params(body, max_tokens, remaining, engine.max_model_len,
+    sampling = params.sampling_params(body, max_tokens, default_max_tokens, engine.max_model_len, len(prompt_ids),
                                       params.vocab_size(engine), num_logprobs, constraint)
     setup = None if tool_list is None else tools.ToolSetup(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)

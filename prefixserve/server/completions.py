@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from prefixserve.config import DEFAULT_MAX_TOKENS
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server import params
 from prefixserve.server.errors import bad_request
@@ -20,13 +21,16 @@ from prefixserve.server.responses import CompletionShape, Prepared, Shape, new_i
 from prefixserve.server.schemas import CompletionRequest
 from prefixserve.types import MAX_CHOICES, Request, SamplingParams
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions (within the server's --default-max-tokens)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit
 MAX_PROMPTS = 16
 
 
-def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id: str) -> Prepared:
-    """Validate a completions body for `tenant_id`. Raises APIError(400) naming the first bad field."""
+def prepare_completion(
+    body: CompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> Prepared:
+    """Validate a completions body for `tenant_id`. Raises APIError(400) naming the first bad field.
+    Without max_tokens: OpenAI's 16, within the server's `default_max_tokens`."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
@@ -49,7 +53,8 @@ def prepare_completion(body: CompletionRequest, engine: EngineClient, tenant_id:
         raise bad_request("best_of > n and echo need a single prompt", "best_of" if best_of > n else "echo")
     prompt_ids = prompts[0]
     num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
-    sampling = params.sampling_params(body, body.max_tokens, DEFAULT_MAX_TOKENS, engine.max_model_len,
+    sampling = params.sampling_params(body, body.max_tokens, min(COMPLETION_MAX_TOKENS, default_max_tokens),
+                                      engine.max_model_len, max(len(ids) for ids in prompts),
                                       params.vocab_size(engine), num_logprobs)
     shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
                             fingerprint=engine.health().fingerprint,

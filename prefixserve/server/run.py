@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sqlite3
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 
 from prefixserve.config import (
     DECODE_KERNELS,
+    DEFAULT_MAX_TOKENS,
     DTYPES,
     CacheConfig,
     EngineConfig,
@@ -75,6 +77,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
     "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
     "max_queued_requests": ("PREFIXSERVE_MAX_QUEUED_REQUESTS", int, EngineConfig().max_queued_requests),
+    "default_max_tokens": ("PREFIXSERVE_DEFAULT_MAX_TOKENS", int, DEFAULT_MAX_TOKENS),
     "max_session_bytes": ("PREFIXSERVE_MAX_SESSION_BYTES", parse_bytes, EngineConfig().max_session_bytes),
     "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
@@ -136,6 +139,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-queued-requests", type=int, metavar="N",
       help="requests waiting for admission; past it new ones get 429 + Retry-After (PREFIXSERVE_MAX_QUEUED_REQUESTS; "
            "default 256)")
+    a("--default-max-tokens", type=int, metavar="N",
+      help="max_tokens of a request that names none, within the room its prompt leaves; /health and /v1/models "
+           f"report it (PREFIXSERVE_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS}; completions: OpenAI's 16)")
     a("--max-session-bytes", metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
@@ -197,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
             data_dir=str(data_dir),
             ledger_path=s["ledger_path"] or str(data_dir / "usage.sqlite3"),
             pricing_path=s["pricing"],
+            default_max_tokens=s["default_max_tokens"],
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +212,13 @@ def run_serve(args: argparse.Namespace) -> int:
         ledger = None if s["no_ledger"] else open_ledger(server_config, getattr(args, "prices", None) or ())
     except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
         print(f"prefixserve serve: {e}", file=sys.stderr)
+        return 2
+    try:  # the port is ours before the model loads: a port in use is an error now, not after the load
+        sock = bind_socket(server_config.host, server_config.port)
+    except OSError as e:
+        print(f"prefixserve serve: cannot listen on {server_config.host}:{server_config.port}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        _close(ledger)
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
@@ -217,18 +231,36 @@ def run_serve(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
         _close(ledger)
+        sock.close()
         return 1
     except BaseException:
         _close(ledger)
+        sock.close()
         raise
     from prefixserve.server.app import create_app
 
     app = create_app(engine, server_config, ledger, keys=keys)  # owns engine and ledger from here
-    return serve_app(app, server_config.host, server_config.port, s["log_level"])
+    return serve_app(app, server_config.host, server_config.port, s["log_level"], sock)
 
 
-def serve_app(app: Any, host: str, port: int, log_level: str = "info") -> int:
-    """Run uvicorn until SIGTERM / SIGINT, with graceful draining; 0 on a clean shutdown."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening: until the server starts, connections
+    are refused (health checks keep polling) rather than left hanging in a backlog."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT never blocks a restart
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: socket.socket | None = None) -> int:
+    """Run uvicorn until SIGTERM / SIGINT, with graceful draining; 0 on a clean shutdown. `sock`: a
+    socket already bound to (host, port) (`bind_socket`); None binds here."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -239,7 +271,7 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info") -> int:
     # make that a no-op instead of a death by SIGTERM (exit status 143).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     # Drained and closed. A further SIGTERM (a supervisor repeating itself) must not turn this
     # clean exit into a death by signal: Python resets handlers to the default while it
     # finalises, but leaves SIG_IGN in place.

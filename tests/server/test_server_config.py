@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,29 @@ def test_bad_configuration_exits_2_before_loading_a_model(tmp_path: Path, capsys
     assert run.run_serve(_args("--api-key", "a b c", "--no-ledger")) == 2
     assert run.run_serve(_args("--port", "0", "--no-ledger")) == 2
     assert "prefixserve serve:" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket is bound first: a taken port is exit status 2 at once, not after the model's load."""
+    import prefixserve.engine
+
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded although the port is taken")
+
+    monkeypatch.setattr(prefixserve.engine, "build_engine", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert run.run_serve(_args("--port", str(port), "--no-ledger")) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+
+
+def test_the_bound_socket_refuses_connections_until_the_server_starts() -> None:
+    sock = run.bind_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(sock.getsockname()[:2], timeout=2).close()
+    finally:
+        sock.close()

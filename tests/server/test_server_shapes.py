@@ -150,13 +150,35 @@ def test_sampling_fields_reach_the_engine(client: TestClient, engine: FakeEngine
     assert (s.max_tokens, s.temperature, s.top_k, s.greedy) == (2, 0.0, 0, True)
 
 
-def test_chat_default_max_tokens_fills_the_context(client: TestClient, engine: FakeEngine) -> None:
+def test_default_max_tokens_caps_a_request_that_names_none(client: TestClient, engine: FakeEngine) -> None:
+    """Without max_tokens: the server's --default-max-tokens (1,024) for chat, within the room the
+    prompt leaves in the context (here 512 tokens); OpenAI's 16 for completions. Both reported."""
     body = chat_body()
     del body["max_tokens"]
     r = client.post("/v1/chat/completions", json=body, headers=auth())
     prompt_len = len(engine.requests[0].prompt_ids)
-    assert engine.requests[0].sampling.max_tokens == engine.max_model_len - prompt_len
+    assert engine.requests[0].sampling.max_tokens == min(1024, engine.max_model_len - prompt_len)
     assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert client.post("/v1/completions", json={"prompt": "hello"}, headers=auth()).status_code == 200
+    assert engine.requests[1].sampling.max_tokens == 16
+    assert client.get("/health").json()["default_max_tokens"] == 1024
+    card = client.get("/v1/models", headers=auth()).json()["data"][0]
+    assert (card["default_max_tokens"], card["max_model_len"]) == (1024, engine.max_model_len)
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_400(client: TestClient, engine: FakeEngine) -> None:
+    """OpenAI's and vLLM's answer: a 400 `context_length_exceeded` naming both numbers, nothing queued."""
+    body = chat_body(max_tokens=engine.max_model_len)
+    r = client.post("/v1/chat/completions", json=body, headers=auth())
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens", err
+    assert str(engine.max_model_len) in err["message"] and "prompt" in err["message"]
+    r = client.post("/v1/completions", json={"prompt": ["a", "b " * 40], "max_tokens": engine.max_model_len - 5},
+                    headers=auth())  # the longest of several prompts decides
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert engine.requests == []
+    fits = engine.max_model_len - 1 - len(engine.tokenizer.encode("a"))
+    assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": fits}, headers=auth()).status_code == 200
 
 
 def test_chat_messages_parts_tools_and_roles(client: TestClient, engine: FakeEngine) -> None:
