@@ -8,9 +8,9 @@ from typing import Any
 
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
 from prefixserve.engine.async_engine import AsyncEngine
-from prefixserve.engine.torch_thread import TorchThread
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineClient, EngineHealth
+from prefixserve.engine.torch_thread import TorchThread
 
 log = logging.getLogger("prefixserve.engine")
 

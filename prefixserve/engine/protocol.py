@@ -15,6 +15,7 @@ from prefixserve.types import (
     Request,
     TemplateError,
     Unavailable,
+    Usage,
 )
 
 __all__ = [
@@ -89,6 +90,12 @@ class EngineClient(Protocol):
         gone) aborts the request and frees its sessions. The iterator ends after every choice's
         final Delta (or the first ERROR / ABORT one); the last Delta carries the request's
         worker-truth usage (also for aborts)."""
+        ...
+
+    async def abandoned_usage(self, request_id: str) -> Usage | None:
+        """The worker-truth usage of a request whose iterator was closed early (what its abort found
+        computed; a request still queued bills nothing), once the engine has processed the abort
+        (bounded wait). Returned once; None when unknown."""
         ...
 
     def health(self) -> EngineHealth: ...

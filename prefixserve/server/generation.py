@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.errors import APIError
-from prefixserve.server.multi import generate_all
+from prefixserve.server.multi import Usages, generate_all
 from prefixserve.server.responses import ChoiceOutput, Prepared
 from prefixserve.server.streaming import SSE_HEADERS, SSEResponse, aclose_shielded, next_delta, sse_events
 from prefixserve.server.tracking import RequestTracker
@@ -37,7 +37,8 @@ async def respond(
 ) -> Response:
     """Serve `prepared`. Raises what the engine raises before its first delta (PromptTooLong -> 400
     via the app's handlers); answers 500 in OpenAI's shape if the engine fails the request."""
-    engine_iter = generate_all(engine, prepared.requests)
+    usages = Usages()
+    engine_iter = generate_all(engine, prepared.requests, usages)
     handed_off = False
     try:
         if prepared.stream:
@@ -45,13 +46,15 @@ async def respond(
             if first is None:
                 raise _engine_failed(tracker, None)
             handed_off = True
-            return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker, prepared.num_choices),
+            return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker, prepared.num_choices,
+                                          lambda: usages.final(engine, prepared.requests)),
                                headers=SSE_HEADERS)
         choices, delta = await until_disconnect(http_request, _collect(engine_iter, tracker, prepared.num_choices))
         usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
         return JSONResponse(prepared.shape.full(prepared.select(choices), usage))
     except ClientGone:
-        tracker.finish(FinishReason.ABORT.value)
+        await aclose_shielded(engine_iter)  # the abort's own usage first: what was really computed
+        tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         if not handed_off:

@@ -8,21 +8,46 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+
+import anyio
 
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.streaming import aclose_shielded
 from prefixserve.types import Delta, Request, Usage
 
 
-async def generate_all(engine: EngineClient, requests: Sequence[Request]) -> AsyncIterator[Delta]:
+@dataclass(slots=True)
+class Usages:
+    """The latest usage of each request of one response, as `generate_all` saw them."""
+
+    seen: list[Usage | None] = field(default_factory=list)
+
+    async def final(self, engine: EngineClient, requests: Sequence[Request]) -> Usage | None:
+        """The response's usage after its iterator was closed early: for each request the engine's
+        abort usage where it has one (worker truth), else the last one seen; None if none is known.
+        Waits for the engine even inside a cancelled scope (a disconnect cancels the response task)."""
+        usages: list[Usage | None] = []
+        with anyio.CancelScope(shield=True):
+            for r, seen in zip(requests, self.seen):
+                usages.append(await engine.abandoned_usage(r.request_id) or seen)
+        return total(usages) if any(u is not None for u in usages) else None
+
+
+async def generate_all(
+    engine: EngineClient, requests: Sequence[Request], usages: Usages | None = None
+) -> AsyncIterator[Delta]:
     """The Deltas of every request, interleaved as they come, re-indexed and with summed usage.
     Raises what one request raises (PromptTooLong, an engine failure); closing this iterator closes
-    (aborts) every request."""
+    (aborts) every request. `usages` follows each request's latest usage (for `Usages.final`)."""
+    usages = usages if usages is not None else Usages()
+    usages.seen = [None] * len(requests)
     if len(requests) == 1:
         only = engine.generate(requests[0])
         try:
             async for delta in only:
+                if delta.usage is not None:
+                    usages.seen[0] = delta.usage
                 yield delta
         finally:  # closing this iterator closes (aborts) the engine's at once, not at garbage collection
             await aclose_shielded(only)
@@ -39,7 +64,6 @@ async def generate_all(engine: EngineClient, requests: Sequence[Request]) -> Asy
             await queue.put((k, e))
 
     tasks = [asyncio.ensure_future(pump(k, it)) for k, it in enumerate(iters)]
-    usages: list[Usage | None] = [None] * len(requests)
     num_live = len(requests)
     try:
         while num_live:
@@ -50,9 +74,9 @@ async def generate_all(engine: EngineClient, requests: Sequence[Request]) -> Asy
             if isinstance(item, BaseException):
                 raise item
             if item.usage is not None:
-                usages[k] = item.usage
+                usages.seen[k] = item.usage
             yield replace(item, index=k * requests[k].num_choices + item.index,
-                          usage=None if item.usage is None else total(usages))
+                          usage=None if item.usage is None else total(usages.seen))
     finally:
         for t in tasks:
             t.cancel()

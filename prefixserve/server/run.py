@@ -142,7 +142,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--default-max-tokens", type=int, metavar="N",
       help="max_tokens of a request that names none, within the room its prompt leaves; /health and /v1/models "
            f"report it (PREFIXSERVE_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS}; completions: OpenAI's 16)")
-    a("--max-session-bytes", metavar="BYTES",
+    a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
     a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "

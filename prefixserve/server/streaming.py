@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -20,7 +20,7 @@ from starlette.types import Send
 from prefixserve.server.errors import error_body
 from prefixserve.server.responses import Shape
 from prefixserve.server.tracking import RequestTracker
-from prefixserve.types import Delta, FinishReason
+from prefixserve.types import Delta, FinishReason, Usage
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -39,11 +39,13 @@ class SSEResponse(StreamingResponse):
 
 
 async def sse_events(
-    shape: Shape, engine_iter: AsyncIterator[Delta], first: Delta, tracker: RequestTracker, num_choices: int = 1
+    shape: Shape, engine_iter: AsyncIterator[Delta], first: Delta, tracker: RequestTracker, num_choices: int = 1,
+    abandoned_usage: Callable[[], Awaitable[Usage | None]] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: opening chunks, chunks per delta (each with its choice's `index`), each choice's
     finish chunk, the usage chunk (when asked for), then ``data: [DONE]``. An engine failure becomes
-    an OpenAI error event."""
+    an OpenAI error event. A stream cut short is recorded with `abandoned_usage()` (asked once the
+    engine iterator is closed: the abort's worker truth), else the last usage seen."""
     try:
         for obj in shape.opening(num_choices):
             yield sse(obj)
@@ -81,7 +83,8 @@ async def sse_events(
         yield DONE
     finally:
         await aclose_shielded(engine_iter)
-        tracker.finish(FinishReason.ABORT.value)  # no-op unless the stream was cut short
+        if not tracker.finished:  # the stream was cut short
+            tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -187,10 +187,12 @@ def test_usage_on_abort_is_what_was_computed():
         await asyncio.sleep(0.1)
         await mid.aclose()  # aborted mid-prefill
         _, done = await collect(engine, request(ps[0], rid="done"))
+        abandoned = {rid: await engine.abandoned_usage(rid) for rid in ("queued", "decoding", "prefilling")}
+        again = await engine.abandoned_usage("queued")
         await engine.shutdown()
-        return done
+        return done, abandoned, again
 
-    done = asyncio.run(go())
+    done, abandoned, again = asyncio.run(go())
     assert finals["queued"].usage == Usage(0, 0, 0)  # bills nothing
     dec = finals["decoding"].usage
     assert dec is not None and dec.prompt_tokens == len(ps[1]) and dec.completion_tokens >= 1
@@ -199,6 +201,9 @@ def test_usage_on_abort_is_what_was_computed():
     assert pre.cached_tokens <= pre.prompt_tokens
     assert done.usage is not None and done.usage.prompt_tokens == len(ps[0])
     assert all(finals[r].finish_reason is FinishReason.ABORT for r in ("queued", "decoding", "prefilling"))
+    for rid in ("queued", "decoding", "prefilling"):  # what the server records for a client that left
+        assert abandoned[rid] == finals[rid].usage
+    assert again is None  # handed over once
 
 
 def test_admission_waits_for_the_session_budget_and_refuses_what_never_fits():

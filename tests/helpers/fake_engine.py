@@ -69,6 +69,7 @@ class FakeEngine:
         self._cache: dict[Namespace, list[tuple[int, ...]]] = {}
         self._running = 0
         self._evictions = 0
+        self._abandoned: dict[str, Usage] = {}
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
         ids = request.prompt_ids
@@ -81,6 +82,7 @@ class FakeEngine:
         self._cache.setdefault(request.namespace, []).append(ids)
         self._running += 1
         finished = False
+        abandoned = Usage(prompt_tokens=len(ids), completion_tokens=0, cached_tokens=cached)
         try:
             budget = min(request.sampling.max_tokens, self.max_model_len - len(ids))
             out = [ids[n % len(ids)] for n in range(budget)]
@@ -95,6 +97,7 @@ class FakeEngine:
                 for n, tok in enumerate(out, 1):
                     await asyncio.sleep(self.token_delay)
                     usage = Usage(prompt_tokens=len(ids), completion_tokens=done + n, cached_tokens=cached)
+                    abandoned = usage  # closed from here on: the tokens made so far
                     if self.fail_with is not None:
                         finished = True
                         yield Delta("", (), FinishReason.ERROR, usage, error=self.fail_with)
@@ -112,6 +115,11 @@ class FakeEngine:
         finally:
             self._running -= 1
             events.append("finished" if finished else "closed")
+            if not finished:  # what the "engine" computed: the prompt, and the tokens it made so far
+                self._abandoned[request.request_id] = abandoned
+
+    async def abandoned_usage(self, request_id: str) -> Usage | None:
+        return self._abandoned.pop(request_id, None)
 
     def health(self) -> EngineHealth:
         return EngineHealth(True, True, "fake engine", self._running, 0, fingerprint="fp_fake")

@@ -73,6 +73,7 @@ class StreamResult:
     usage: dict[str, Any] | None = None
     error: str | None = None  # an HTTP error body or an SSE error event
     done: bool = False  # saw `data: [DONE]`
+    retry_after: str | None = None  # the Retry-After header of a refusal
 
     @property
     def cached_tokens(self) -> int:
@@ -143,7 +144,7 @@ async def astream(
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     async with client.stream("POST", path, json=body, headers=headers) as r:
-        result = StreamResult(status=r.status_code)
+        result = StreamResult(status=r.status_code, retry_after=r.headers.get("retry-after"))
         if r.status_code != 200:
             await r.aread()
             result.error = r.text

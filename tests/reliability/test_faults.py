@@ -5,14 +5,20 @@ Disconnects (raw sockets, so the moment of the hang-up is ours; half close with 
 - `mid_prefill`: a prompt of 1,200 fresh token ids (prefilled in chunks over several engine steps), hung
   up after 5-30% of the time this server takes for that prefill (measured first), before any output
   arrived (checked: no SSE event, no JSON body; a stream's headers may be there); streaming or not;
-- `before_first_byte`: hung up at once after sending the whole request, or after half its body.
+- `before_first_byte`: hung up at once after sending the whole request, or after half its body;
+- `queued`: while another client's long prompt is being prefilled, a request hung up 20 ms after it
+  was sent: the engine takes both the request and its abort between two steps, so it is aborted
+  while still queued, before any work on it.
 
 After every case the server must be idle again (no session running or waiting, no request in
 flight). Over the whole run: the RSS of the server stays within 10% of its level after a warm-up
 round, the cache stays within its byte budget, every request that reached the engine is counted as
-aborted by the engine and recorded once in the usage ledger (nothing lost, nothing invented), and
-the mid-prefill hang-ups really cut prefill short (fewer prompt tokens computed than sent).
-`make test` runs 60 cases (20 of each kind) after a 9-case warm-up; `make soak` runs 510 (170 each).
+aborted by the engine and recorded once in the usage ledger (nothing lost, nothing invented), the
+mid-prefill hang-ups really cut prefill short (fewer prompt tokens computed than sent), and the
+ledger bills exactly what the engine computed: its prompt tokens sum to the engine's cached plus
+computed prompt tokens, its cached and output tokens to the engine's (a request aborted while queued
+bills nothing; one aborted mid-prefill the prompt tokens processed, cached and computed).
+`make test` runs 80 cases (20 of each kind) after a 12-case warm-up; `make soak` runs 680 (170 each).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from tests.reliability.conftest import MAIN_CACHE_BYTES, scaled
 pytestmark = pytest.mark.slow
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
-KINDS = ("mid_stream", "mid_prefill", "before_first_byte")
+KINDS = ("mid_stream", "mid_prefill", "before_first_byte", "queued")
 PREFILL_IDS = 1200
 WARMUP_PER_KIND = 3
 
@@ -82,17 +88,32 @@ def run_case(target: Target, kind: str, n: int, rng: random.Random, prefill_s: f
         "stream": n % 4 < 2,
     }
     raw = raw_request(CHAT, json.dumps(body).encode(), headers)
+    if kind == "queued":
+        long = {"prompt": [rng.randrange(1000, 40000) for _ in range(PREFILL_IDS)], "max_tokens": 1}
+        status: list[int] = []
+        busy = threading.Thread(target=lambda: status.append(
+            httpx.post(target.base_url + CMPL, json=long, headers=headers, timeout=300).status_code))
+        busy.start()
+        time.sleep(0.25 * prefill_s)  # the long prefill is under way: the engine is inside a step
+        s = connect(target)
+        s.sendall(raw)
+        time.sleep(0.02)
+        hang_up(s, reset)
+        busy.join()
+        assert status == [200]
+        return
     s = connect(target)
     s.sendall(raw[: len(raw) - 10] if n % 3 == 0 else raw)  # a third hang up in the middle of the body
     hang_up(s, reset)
 
 
-def usage_requests(target: Target, tenant: str, since: int) -> int:
-    """Requests the usage ledger holds for `tenant` since `since` (unix seconds)."""
+def usage_totals(target: Target, tenant: str, since: int) -> dict[str, int]:
+    """What the usage ledger holds for `tenant` since `since` (unix seconds): requests and tokens."""
     r = httpx.get(target.base_url + "/v1/usage", params={"start_time": since, "bucket_width": "1d"},
                   headers=target.auth(tenant), timeout=60)  # fmt: skip
     assert r.status_code == 200, r.text
-    return sum(res["num_model_requests"] for bucket in r.json()["data"] for res in bucket["results"])
+    names = ("num_model_requests", "input_tokens", "input_cached_tokens", "output_tokens")
+    return {k: sum(res[k] for bucket in r.json()["data"] for res in bucket["results"]) for k in names}
 
 
 def prefill_seconds(target: Target, rng: random.Random) -> float:
@@ -145,16 +166,28 @@ def test_disconnects_free_their_sessions_and_nothing_grows(main: Target) -> None
           f"{prefill_s:.2f} s; RSS {base_rss / 2**20:.0f} -> {rss / 2**20:.0f} MiB; cache "
           f"{m1['prefixserve_cache_entries']:.0f} entries, max {max_cache_bytes / 2**20:.1f} MiB of "
           f"{MAIN_CACHE_BYTES / 2**20:.0f}; idle again within {max(idle_waits):.2f} s (max)")  # fmt: skip
-    assert per_kind * 2 <= reached <= len(cases)  # mid_stream and mid_prefill certainly reach it
-    assert aborted == reached, "every request that reached the engine must be counted as aborted"
+    busy = per_kind  # the long prompts that keep the engine busy for `queued` finish normally
+    assert per_kind * 2 + busy <= reached <= len(cases) + busy  # mid_stream, mid_prefill and busy certainly reach it
+    assert aborted == reached - busy, "every disconnect that reached the engine must be counted as aborted"
     assert delta("prefixserve_engine_engine_completion_tokens") >= per_kind * 2  # mid_stream: >= 2 each
-    # Prefill was really cut short: fewer prompt tokens computed than the mid-prefill prompts alone hold.
-    assert delta("prefixserve_engine_engine_computed_prompt_tokens") < per_kind * PREFILL_IDS
+    # Prefill was really cut short: fewer prompt tokens computed than the mid-prefill prompts alone hold
+    # (beside the busy prompts, computed whole).
+    assert delta("prefixserve_engine_engine_computed_prompt_tokens") < per_kind * PREFILL_IDS + busy * PREFILL_IDS
     assert rss <= base_rss * 1.10, f"RSS grew from {base_rss} to {rss} bytes"
     assert max_cache_bytes <= MAIN_CACHE_BYTES
     assert m1["prefixserve_requests_in_flight"] == 0
     # The ledger holds one record per request the engine saw (calibration and warm-up included).
-    assert usage_requests(main, "faults", since) == delta("prefixserve_engine_engine_requests", m_start)
+    ledger = usage_totals(main, "faults", since)
+    assert ledger["num_model_requests"] == delta("prefixserve_engine_engine_requests", m_start)
+    # ... each billed with what the engine computed for it (worker truth, aborts included)
+    engine_prompt = delta("prefixserve_engine_engine_cached_tokens", m_start) + delta(
+        "prefixserve_engine_engine_computed_prompt_tokens", m_start)
+    print(f"ledger: {ledger}; engine: prompt {engine_prompt:.0f} (cached "
+          f"{delta('prefixserve_engine_engine_cached_tokens', m_start):.0f}), completion "
+          f"{delta('prefixserve_engine_engine_completion_tokens', m_start):.0f}")  # fmt: skip
+    assert ledger["input_tokens"] == engine_prompt
+    assert ledger["input_cached_tokens"] == delta("prefixserve_engine_engine_cached_tokens", m_start)
+    assert ledger["output_tokens"] == delta("prefixserve_engine_engine_completion_tokens", m_start)
     assert health(main)["ok"]
 
 

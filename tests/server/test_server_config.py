@@ -93,6 +93,8 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert run._resolve(args, "dtype", env) == "fp32"
     assert run._resolve(args, "host", env) == "127.0.0.1"
     assert run._resolve(args, "data_dir", env) is None  # resolved by config.default_data_dir
+    for flag, dest in (("--max-session-bytes", "max_session_bytes"), ("--cache-max-bytes", "cache_max_bytes")):
+        assert run._resolve(_args(flag, "2G"), dest, {}) == 2 << 30  # a byte size on the command line too
     assert args.api_keys == ["alice sk-1", "sk-2"]
     assert run._resolve(_args("--no-ledger"), "no_ledger", {}) is True
     assert run._resolve(_args(), "no_ledger", {}) is False
