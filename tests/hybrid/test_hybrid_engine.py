@@ -1,5 +1,6 @@
-"""The engine with a tiny hybrid model: the learning sequence with snapshot-only states, the next chat
-turn, isolation, and outputs equal to a cache-less engine's (docs/hybrid.md)."""
+"""The engine with a tiny hybrid model: the learning sequence with snapshot-only states and recurrent
+checkpoints, boundary entries on the grid, the next chat turn, isolation, and outputs equal to a
+cache-less engine's (docs/hybrid.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.models import load_model
 from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner
+from prefixserve.runner.hybrid_state import GRID, checkpoint_positions
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.hybrid.tiny import make_model
 
@@ -78,8 +80,41 @@ def test_learning_sequence_next_turn_and_isolation(model):
         assert ref_usage.cached_tokens == 0
     cached_tokens = [u.cached_tokens for (_, u), _ in results]
     n1 = len(prompts[0])
-    # 1: cold, stores its full prompt; 2: the full-prompt entry is snapshot-only and not a prefix: 0,
-    # stores a boundary at the exact common prefix; 3: resumes there; 4 = 1: whole prompt, no forward;
-    # turn 2: the finished turn (prompt + reply but its last token); another tenant: miss
-    assert cached_tokens == [0, 0, shared, n1, n1 + 8 - 1, 0]
+    grid = shared - shared % GRID
+    assert grid in checkpoint_positions(n1)  # request 1 kept a checkpoint there
+    # 1: cold, stores its full prompt with its checkpoints; 2: resumes at the deepest checkpoint <= the
+    # common prefix (the grid position a boundary entry would take: none is stored); 3: the same;
+    # 4 = 1: whole prompt, no forward; turn 2: the finished turn (prompt + reply but its last token);
+    # another tenant: miss
+    assert cached_tokens == [0, grid, grid, n1, n1 + 8 - 1, 0]
+    cache = cached.core.cache
+    assert cache.check_integrity() is None
+    assert all(e.num_tokens != grid for e in cache.entries())  # no boundary entry: the checkpoint serves
+    assert cache.get(ns, prompts[0]).points == tuple(checkpoint_positions(n1))  # type: ignore[union-attr]
+
+
+def test_a_boundary_entry_on_the_grid_when_no_checkpoint_serves(model):
+    """Request 1's common prefix with request 2 lies below all its checkpoints (a long user message):
+    request 2 misses and stores a boundary entry at the grid position at or below the common prefix;
+    request 3, whose message shares fewer tokens with 2's than 1's did, resumes there."""
+    tok = model.tokenizer
+    users = ("Alpha: " + "a long question about many things " * 12, "Bravo wants to know.", "Bro?")
+    prompts = [tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}])
+               for u in users]
+    lcp12 = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1], strict=False)) if a != b)
+    assert min(checkpoint_positions(len(prompts[0]))) > lcp12
+    ns = Namespace("tiny", "tenant-g")
+    cached, plain = make_engine(model, 1 << 30), make_engine(model, 0)
+
+    async def scenario():
+        out = [(await run(cached, p, ns), await run(plain, p, ns)) for p in prompts]
+        await cached.shutdown()
+        await plain.shutdown()
+        return out
+
+    results = asyncio.run(scenario())
+    assert all(got[0] == ref[0] for got, ref in results)
+    boundary = lcp12 - lcp12 % GRID
+    assert [got[1].cached_tokens for got, _ in results] == [0, 0, boundary]
+    assert cached.core.cache.get(ns, prompts[1][:boundary]) is not None
     assert cached.core.cache.check_integrity() is None
