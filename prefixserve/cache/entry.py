@@ -61,9 +61,10 @@ def resume_points(state: CachedState) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """Copy the first `num_cached_tokens` tokens of `entry.state` (all of it unless truncatable), then
-    compute the rest of the prompt. `num_cached_tokens == len(prompt)` only when the entry is exactly
-    the prompt and carries its logits: then no forward pass is needed.
+    """Copy the first `num_cached_tokens` tokens of `entry.state` (unless truncatable: all of it, or
+    one of its resume points), then compute the rest of the prompt. `num_cached_tokens ==
+    len(prompt)` only when the entry is exactly the prompt and carries its logits: then no forward
+    pass is needed.
 
     `lcp_len` is the longest common prefix of the prompt with any entry of its namespace (>= the hit);
     for a snapshot-only runtime it is where a boundary entry pays off."""

@@ -141,6 +141,11 @@ class HybridSnapshot:
         return tuple(sorted(self._points))
 
     @property
+    def checkpoint_nbytes(self) -> int:
+        """Bytes of the recurrent checkpoints (of `nbytes`; for the bench and docs/hybrid.md)."""
+        return sum(r.nbytes for r in self._points.values())
+
+    @property
     def kv(self) -> KVSnapshot:
         return self._kvs
 
@@ -167,13 +172,14 @@ class HybridSnapshot:
     def restore(self, num_tokens: int, extra_capacity: int) -> HybridState:
         """Deep copy into a new HybridState with room for `extra_capacity` more tokens. num_tokens must
         be this snapshot's own length or one of its resume points (a recurrent state is valid at one
-        position only); the new state keeps the checkpoints below it (shared, never written)."""
+        position only); the new state keeps the checkpoints up to it (shared, never written), so its
+        own snapshots serve them too at no extra bytes."""
         r = self._rec if num_tokens == self.num_tokens else self._points.get(num_tokens)
         if r is None:
             raise ValueError(f"a hybrid snapshot of {self.num_tokens} tokens cannot serve {num_tokens}")
         kv_state = self._kvs.restore(num_tokens, extra_capacity)
         cell = r.cell.new_zeros(r.cell.shape[0], CELL, r.cell.shape[2])
         cell[:, : r.cell.shape[1]] = r.cell
-        points = {p: c for p, c in self._points.items() if p < num_tokens}
+        points = {p: c for p, c in self._points.items() if p <= num_tokens}
         return HybridState(kv_state.kv, RecurrentState(r.conv.clone(), cell, r.delta.clone()), num_tokens,
                            kv_state.logits, points)
