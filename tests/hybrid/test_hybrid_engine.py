@@ -118,3 +118,38 @@ def test_a_boundary_entry_on_the_grid_when_no_checkpoint_serves(model):
     assert [got[1].cached_tokens for got, _ in results] == [0, 0, boundary]
     assert cached.core.cache.get(ns, prompts[1][:boundary]) is not None
     assert cached.core.cache.check_integrity() is None
+
+
+def test_the_budget_counts_checkpoints_and_refuses_an_entry_too_large(model):
+    """An entry's checkpoints count against the byte budget: with a budget one byte short of request
+    1's full entry (checkpoints included) it is refused and counted, the cache stays sound, and the
+    answers are still those of a cache-less engine."""
+    tok = model.tokenizer
+    prompts = [tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}])
+               for u in ("Alpha question here?", "Bravo, tell me more.")]
+    ns = Namespace("tiny", "tenant-b")
+    roomy, plain = make_engine(model, 1 << 30), make_engine(model, 0)
+
+    async def measure():
+        ref = [await run(plain, p, ns) for p in prompts]
+        await run(roomy, prompts[0], ns, max_tokens=1)
+        await roomy.shutdown()
+        await plain.shutdown()
+        return ref
+
+    ref = asyncio.run(measure())
+    entry = roomy.core.cache.get(ns, prompts[0])
+    assert entry is not None and entry.points and entry.state.checkpoint_nbytes > 0
+    assert entry.nbytes == sum(n for _, n in entry.state.storage())
+    tight = make_engine(model, entry.nbytes - 1)
+
+    async def scenario():
+        out = [await run(tight, p, ns) for p in prompts]
+        await tight.shutdown()
+        return out
+
+    got = asyncio.run(scenario())
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    cache = tight.core.cache
+    assert cache.get(ns, prompts[0]) is None and cache.stats().num_rejected_too_large >= 1
+    assert cache.check_integrity() is None
