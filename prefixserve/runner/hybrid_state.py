@@ -26,13 +26,13 @@ from prefixserve.models.layers import BLOCK
 from prefixserve.runner.state import KVSnapshot, SessionState, _round_up
 
 GRID = 64  # checkpoints and boundary entries sit on multiples of it: no cell rows to keep there
-MAX_CHECKPOINTS = 3  # per prompt: ~19.6 MB each at the 0.8B shape (docs/hybrid.md)
+MAX_CHECKPOINTS = 3  # per prompt: 19.5 MB each at the 0.8B shape (docs/hybrid.md)
 
 
 def checkpoint_positions(prompt_len: int) -> list[int]:
     """Grid positions below `prompt_len` at distances ~GRID * (2**k - 1) back from its last token,
     k < MAX_CHECKPOINTS, ascending: a prompt sharing lcp tokens with this one resumes at the deepest
-    one <= lcp, so it recomputes at most ~2x its own distance to the end plus GRID."""
+    one <= lcp, so it recomputes fewer than 2 * (prompt_len - lcp + GRID - 1) tokens."""
     last = prompt_len - 1
     points = {(last - GRID * (2**k - 1)) // GRID * GRID for k in range(MAX_CHECKPOINTS)}
     return sorted(p for p in points if p > 0)

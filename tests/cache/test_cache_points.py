@@ -78,3 +78,4 @@ def test_points_outside_the_state_are_refused(points: tuple[int, ...]) -> None:
     cache = make_cache()
     with pytest.raises(ValueError):
         cache.insert(NS_A, BASE + (1,), snap(BASE + (1,), points=points))
+

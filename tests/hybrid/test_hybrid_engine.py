@@ -16,7 +16,7 @@ from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.models import load_model
 from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner
-from prefixserve.runner.hybrid_state import GRID, checkpoint_positions
+from prefixserve.runner.hybrid_state import GRID, MAX_CHECKPOINTS, checkpoint_positions
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.hybrid.tiny import make_model
 
@@ -153,3 +153,17 @@ def test_the_budget_counts_checkpoints_and_refuses_an_entry_too_large(model):
     cache = tight.core.cache
     assert cache.get(ns, prompts[0]) is None and cache.stats().num_rejected_too_large >= 1
     assert cache.check_integrity() is None
+
+
+def test_checkpoint_positions_bound_the_recomputation() -> None:
+    """docs/hybrid.md's promise for runner/hybrid_state.py's positions: a prompt sharing lcp tokens
+    resumes at a checkpoint whenever n - lcp <= 193 (n >= 257), and recomputes < 2 (n - lcp + 63)."""
+    for n in range(2, 1200):
+        points = checkpoint_positions(n)
+        assert len(points) <= MAX_CHECKPOINTS and all(p % GRID == 0 and 0 < p < n for p in points)
+        for lcp in range(1, n):
+            at = max((p for p in points if p <= lcp), default=None)
+            if n >= 257 and n - lcp <= 193:
+                assert at is not None, (n, lcp)
+            if at is not None:
+                assert n - at < 2 * (n - lcp + GRID - 1), (n, lcp, at)
