@@ -30,6 +30,7 @@ class Entry:
     has_logits: bool
     nbytes: int
     pieces: tuple[tuple[Hashable, int], ...]  # (storage key, nbytes), keys distinct
+    points: tuple[int, ...] = ()  # shorter lengths a snapshot-only state also restores to (resume_points)
     num_pins: int = 0  # sessions copying from it right now; > 0 means never evicted
     is_cached: bool = True  # False once evicted, replaced or cleared
     node: Node | None = None  # where the index holds it; None once dropped
@@ -47,11 +48,23 @@ class Entry:
         )
 
 
+def resume_points(state: CachedState) -> tuple[int, ...]:
+    """The optional `resume_points` of a snapshot-only state (CachedState), sorted, inside
+    (0, num_tokens); ValueError otherwise. () for a truncatable state: it serves every length."""
+    points = tuple(getattr(state, "resume_points", ()))
+    if state.truncatable or not points:
+        return ()
+    if list(points) != sorted(set(points)) or points[0] <= 0 or points[-1] >= state.num_tokens:
+        raise ValueError(f"resume points {points} not sorted inside (0, {state.num_tokens})")
+    return points
+
+
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """Copy the first `num_cached_tokens` tokens of `entry.state` (all of it unless truncatable), then
-    compute the rest of the prompt. `num_cached_tokens == len(prompt)` only when the entry is exactly
-    the prompt and carries its logits: then no forward pass is needed.
+    """Copy the first `num_cached_tokens` tokens of `entry.state` (unless truncatable: all of it, or
+    one of its resume points), then compute the rest of the prompt. `num_cached_tokens ==
+    len(prompt)` only when the entry is exactly the prompt and carries its logits: then no forward
+    pass is needed.
 
     `lcp_len` is the longest common prefix of the prompt with any entry of its namespace (>= the hit);
     for a snapshot-only runtime it is where a boundary entry pays off."""

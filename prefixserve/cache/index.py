@@ -10,7 +10,10 @@ inferred from a hash (dict lookups by first token only pick which edge to compar
 Invariants (`check`): every path from the root spells a prefix of some entry's key; a non-root node
 without an entry has >= 2 children (the tree is compressed), so every leaf holds an entry; a child is
 filed under the first token of its edge; `num_truncatable` counts the truncatable entries in a node's
-subtree, the node's own included. Not thread-safe: the owning `PrefixCache` is driven by one thread.
+subtree, the node's own included; `marks` holds (depth, entry) for each resume point (`Entry.points`)
+of an entry below that lies on the node's edge, parent.depth < depth <= node.depth, so a walk along a
+prompt meets exactly the points the prompt shares. Not thread-safe: the owning `PrefixCache` is
+driven by one thread.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from prefixserve.cache.entry import Entry
 
 
 class Node:
-    __slots__ = ("children", "depth", "edge", "entry", "num_truncatable", "parent")
+    __slots__ = ("children", "depth", "edge", "entry", "marks", "num_truncatable", "parent")
 
     def __init__(self, edge: tuple[int, ...], depth: int, parent: Node | None) -> None:
         self.edge = edge  # the tokens from the parent to here; () for the root
@@ -31,6 +34,7 @@ class Node:
         self.children: dict[int, Node] = {}  # first token of the child's edge -> child
         self.entry: Entry | None = None
         self.num_truncatable = 0  # truncatable entries in this subtree, own entry included
+        self.marks: list[tuple[int, Entry]] = []  # resume points on this node's edge (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +57,9 @@ class RadixIndex:
         """The entry serving the most tokens of `prompt` under the usability rules, without mutating.
 
         An entry with key T serves: len(T) if T is a proper prefix of the prompt; len(prompt) if T is
-        the prompt and has logits; if truncatable, also min(lcp(T, prompt), len(prompt) - 1). Ties go
-        to the entry that needs no truncation (its key ends exactly there).
+        the prompt and has logits; if truncatable, also min(lcp(T, prompt), len(prompt) - 1); else
+        also its deepest resume point <= that (a snapshot-only state's checkpoints, docs/hybrid.md).
+        Ties go to the entry that needs no truncation (its key ends exactly there).
         """
         num_prompt = len(prompt)
         cap = num_prompt - 1  # a partial hit leaves the engine >= 1 token to compute
@@ -64,6 +69,7 @@ class RadixIndex:
         best_len = 0
         trunc_node: Node | None = None  # deepest subtree known to hold a truncatable entry ...
         trunc_len = 0  # ... and what that entry serves
+        mark: tuple[int, Entry | None] = (0, None)  # deepest resume point met on the way
         while True:
             entry = node.entry
             if entry is not None:
@@ -82,11 +88,15 @@ class RadixIndex:
             end = pos + len(edge)
             if prompt[pos:end] == edge:
                 node, pos = child, end
+                mark = _deepest_mark(child, min(pos, cap), mark)
                 continue
             pos += _common_len(edge, prompt, pos)
             if child.num_truncatable and pos > trunc_len:
                 trunc_node, trunc_len = child, min(pos, cap)
+            mark = _deepest_mark(child, min(pos, cap), mark)
             break
+        if mark[1] is not None and mark[0] > max(best_len, trunc_len):
+            return Match(mark[1], mark[0], pos)
         if trunc_node is not None and trunc_len > best_len:
             return Match(_any_truncatable(trunc_node), trunc_len, pos)
         return Match(best, best_len, pos)
@@ -120,6 +130,8 @@ class RadixIndex:
             child = node.children[key[pos]]
             mid = Node(child.edge[:split], node.depth + split, node)
             mid.num_truncatable = child.num_truncatable
+            mid.marks = [m for m in child.marks if m[0] <= mid.depth]
+            child.marks = [m for m in child.marks if m[0] > mid.depth]
             child.edge = child.edge[split:]
             child.parent = mid
             mid.children[child.edge[0]] = child
@@ -135,6 +147,11 @@ class RadixIndex:
         self.num_entries += 1
         if entry.truncatable:
             _add_truncatable(node, 1)
+        for point in entry.points:  # on the key's path: the node whose edge holds that depth
+            at = node
+            while at.parent is not None and at.parent.depth >= point:
+                at = at.parent
+            at.marks.append((point, entry))
 
     def remove(self, entry: Entry) -> None:
         """Unfile `entry` (which must be filed here) and compress the tree around its node."""
@@ -145,6 +162,11 @@ class RadixIndex:
         self.num_entries -= 1
         if entry.truncatable:
             _add_truncatable(node, -1)
+        if entry.points:
+            at: Node | None = node
+            while at is not None:
+                at.marks = [m for m in at.marks if m[1] is not entry]
+                at = at.parent
         parent = node.parent
         if parent is None:
             return
@@ -167,6 +189,7 @@ class RadixIndex:
     def check(self) -> int:
         """Assert the tree's invariants (see the module docstring); return the number of entries."""
         count = 0
+        marks: list[tuple[int, int]] = []
         stack: list[tuple[Node, tuple[int, ...]]] = [(self.root, ())]
         _require(self.root.entry is None and self.root.edge == (), "the root holds no entry or edge")
         while stack:
@@ -187,7 +210,13 @@ class RadixIndex:
                 num_truncatable += child.num_truncatable
                 stack.append((child, path + child.edge))
             _require(node.num_truncatable == num_truncatable, f"num_truncatable wrong at depth {node.depth}")
+            low = -1 if node.parent is None else node.parent.depth
+            for depth, owner in node.marks:
+                _require(low < depth <= node.depth and owner.token_ids[:node.depth] == path, "mark off its edge")
+                marks.append((depth, id(owner)))
         _require(count == self.num_entries, f"num_entries {self.num_entries} != {count} in the tree")
+        points = [(p, id(e)) for e in self.entries() for p in e.points]
+        _require(sorted(marks) == sorted(points), "marks != the entries' resume points")
         return count
 
     def _descend(self, key: tuple[int, ...]) -> tuple[Node, int, int]:
@@ -220,6 +249,14 @@ def _common_len(edge: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int
     return lo
 
 
+def _deepest_mark(node: Node, limit: int, best: tuple[int, Entry | None]) -> tuple[int, Entry | None]:
+    """The deepest of `best` and `node`'s marks at depth <= limit."""
+    for depth, entry in node.marks:
+        if best[0] < depth <= limit:
+            best = (depth, entry)
+    return best
+
+
 def _any_truncatable(node: Node) -> Entry:
     """A truncatable entry in `node`'s subtree (which must hold one): the first met on the way down."""
     while node.entry is None or not node.entry.truncatable:
@@ -239,6 +276,7 @@ def _merge_into_child(node: Node) -> None:
     assert parent is not None and node.entry is None and len(node.children) == 1
     (child,) = node.children.values()
     child.edge = node.edge + child.edge
+    child.marks = node.marks + child.marks
     child.parent = parent
     parent.children[node.edge[0]] = child
     node.parent = None

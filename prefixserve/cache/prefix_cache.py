@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss
+from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss, resume_points
 from prefixserve.cache.index import RadixIndex, _require
 from prefixserve.cache.room import plan_room
 from prefixserve.cache.state import CachedState
@@ -65,7 +65,8 @@ class PrefixCache:
         Mutates only recency (a hit becomes most recently used) and counters; always safe to call.
         Usable: an entry whose key is a proper prefix of the prompt serves its length; one equal to
         the prompt serves all of it only if it has logits; a truncatable entry also serves its
-        longest common prefix with the prompt, capped at len(prompt) - 1. To copy the state, pin
+        longest common prefix with the prompt, capped at len(prompt) - 1, a snapshot-only one its
+        deepest resume point within that (CachedState, docs/hybrid.md). To copy the state, pin
         the entry (`pinned`) before returning to anything that could insert or evict.
         """
         space = self._space(ns)
@@ -114,6 +115,7 @@ class PrefixCache:
                 return InsertResult(InsertStatus.ALREADY_PRESENT, old)
         nbytes = state.nbytes
         pieces = validate_pieces(state.storage(), nbytes, self._ledger)
+        points = resume_points(state)
         if nbytes > self.config.max_bytes:
             counters.num_rejected_too_large += 1
             return InsertResult(InsertStatus.TOO_LARGE, old)
@@ -127,7 +129,7 @@ class PrefixCache:
         if old is not None:
             self._drop(old)
         num_evicted_bytes = sum(self._evict_one(victim) for victim in victims)
-        entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces)
+        entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces, points)
         space.index.add(entry)
         self._lru[entry] = None
         counters.num_insertions += 1

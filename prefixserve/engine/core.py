@@ -44,7 +44,6 @@ from prefixserve.types import (
 log = logging.getLogger("prefixserve.engine")
 
 GROW_TOKENS = 256  # output room reserved at admission; the KV grows (doubling) beyond it
-MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
 
 Emit = Callable[[str, Delta], None]
 
@@ -194,9 +193,7 @@ class EngineCore:
             self.suspects.remove(self._last_step[0][0])  # it ran alone and passed
         for s, start, end in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
-            if end == s.boundary < s.prompt_len and s.state is not None and not s.state.truncatable:
-                inserts.insert(self, s, end)  # a snapshot-only state exists at this length only now (docs/hybrid.md)
-                s.to_insert.remove(end)
+            inserts.after_chunk(self, s, end)  # a snapshot-only state's boundary and checkpoints
             if end == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.to_insert.append(end)
@@ -239,10 +236,6 @@ class EngineCore:
             s.num_cached = hit.num_cached_tokens
             # tokens a pending refill computed just now, for this prompt: served from the cache, billed as computed
             s.num_refilled = max(0, min(s.num_cached, refilled[1]) - refilled[0])
-        lcp = 0 if hit is None else hit.lcp_len
-        if MIN_BOUNDARY_TOKENS <= lcp < s.prompt_len and not (isinstance(hit, Hit) and hit.entry.num_tokens == lcp):
-            s.boundary = lcp
-            s.to_insert.append(lcp)
         self.counters.num_prompt_tokens += s.prompt_len
         self.counters.num_cached_tokens += s.num_cached - s.num_refilled
         self.counters.num_computed_prompt_tokens += s.num_refilled
@@ -252,6 +245,7 @@ class EngineCore:
             self._sample(s)
             return
         self._restore(s)
+        inserts.plan(self, s, hit)  # where prefill stops for the cache: boundary, checkpoints
         s.phase = Phase.PREFILL
         # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
         self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))

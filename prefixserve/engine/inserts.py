@@ -1,4 +1,5 @@
-"""What the engine offers the cache: prompt boundaries, full prompts, finished turns.
+"""What the engine offers the cache: prompt boundaries, recurrent checkpoints, full prompts,
+finished turns.
 
 Every insert goes one way: shared KV pieces in RAM (docs/cache.md), then write-through to the disk
 and Redis tiers. Finished turns decoded with 4-bit rows are re-fed first (engine/refill.py).
@@ -8,12 +9,44 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefixserve.cache import Hit, Miss
 from prefixserve.engine.session import Session
 from prefixserve.runner import SessionState
 from prefixserve.types import Namespace
 
 if TYPE_CHECKING:
     from prefixserve.engine.core import EngineCore
+
+MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
+
+
+def plan(core: EngineCore, s: Session, hit: Hit | Miss | None) -> None:
+    """Where the prefill of a restored session stops for the cache. A boundary entry at the prompt's
+    longest common prefix with its namespace, or where the state puts it (a snapshot-only state: the
+    grid position at or below it, unless the hit already serves that far); and a snapshot-only
+    state's recurrent checkpoints, stored with its later snapshots (docs/hybrid.md)."""
+    st = s.state
+    assert st is not None
+    at = st.boundary_at(0 if hit is None else hit.lcp_len)
+    served = isinstance(hit, Hit) and (hit.entry.num_tokens == at or (not st.truncatable and at <= s.num_cached))
+    if MIN_BOUNDARY_TOKENS <= at < s.prompt_len and not served:
+        s.boundary = at
+        s.to_insert.append(at)
+    if core.exact_reuse and core.cache.config.max_bytes > 0:
+        s.checkpoints = st.checkpoint_positions(s.prompt_len)
+
+
+def after_chunk(core: EngineCore, s: Session, end: int) -> None:
+    """A prefill chunk of `s` ended at `end`: keep a checkpoint there, and insert a snapshot-only
+    state's boundary entry now (the state is at this length only now, docs/hybrid.md)."""
+    st = s.state
+    if st is None:
+        return
+    if end in s.checkpoints:
+        st.keep_checkpoint()
+    if end == s.boundary < s.prompt_len and not st.truncatable:
+        insert(core, s, end)
+        s.to_insert.remove(end)
 
 
 def flush_inserts(core: EngineCore, s: Session) -> None:

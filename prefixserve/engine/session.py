@@ -30,6 +30,8 @@ class Session:
     # [num_cached, num_computed) computed by this session so far
     # boundary                   where a boundary entry is inserted (0 = none); prefill chunks
     #                            end there, so snapshot-only states could be taken on the way
+    # checkpoints                where a snapshot-only state keeps a recurrent checkpoint (chunks
+    #                            end there too; engine/inserts.py plan, docs/hybrid.md)
     """
 
     request: Request
@@ -40,6 +42,7 @@ class Session:
     num_cached: int = 0
     num_refilled: int = 0  # of num_cached: computed at admission for this prompt (a turn refill), billed as computed
     boundary: int = 0
+    checkpoints: list[int] = field(default_factory=list)
     pending_restore: Any = None  # a pinned cache Entry to copy from before the next forward
     to_insert: list[int] = field(default_factory=list)  # lengths to snapshot into the cache after the first token
     output_ids: list[int] = field(default_factory=list)
@@ -80,11 +83,13 @@ class Session:
                      cached_tokens=min(first.num_cached - first.num_refilled, prompt))
 
     def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
-        """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary."""
+        """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary or
+        a checkpoint."""
         start = self.num_computed
         end = min(self.prompt_len, start + chunk_tokens)
-        if start < self.boundary < end:
-            end = self.boundary
+        for stop in (self.boundary, *self.checkpoints):
+            if start < stop < end:
+                end = stop
         return start, end
 
 

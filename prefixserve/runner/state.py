@@ -88,6 +88,19 @@ class SessionState:
     def clone(self) -> SessionState:
         return SessionState(self.kv.clone(), self.num_tokens, None if self.logits is None else self.logits.clone())
 
+    def boundary_at(self, lcp: int) -> int:
+        """Where the engine puts a boundary entry for a common prefix of `lcp` tokens: right there
+        (KV restores to any length). A snapshot-only state may choose a shallower position."""
+        return lcp
+
+    def checkpoint_positions(self, prompt_len: int) -> list[int]:
+        """Positions in (num_tokens, prompt_len) where prefill should stop and `keep_checkpoint`:
+        none, since a truncatable snapshot serves every length (runner/hybrid_state.py keeps some)."""
+        return []
+
+    def keep_checkpoint(self) -> None:
+        """Keep what a restore at the current length needs, for the snapshots taken later: nothing here."""
+
 
 @dataclass(frozen=True, slots=True)
 class KVPiece:

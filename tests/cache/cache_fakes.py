@@ -24,6 +24,7 @@ class FakeState:
     truncatable: bool
     has_logits: bool
     pieces: tuple[tuple[Hashable, int], ...]
+    resume_points: tuple[int, ...] = ()  # a snapshot-only state's checkpoints (CachedState)
 
     @property
     def nbytes(self) -> int:
@@ -41,10 +42,12 @@ def kv(
 
 
 def snap(
-    tokens: Sequence[int], nbytes: int = 100, *, logits: bool = False, shared: Sequence[tuple[str, int]] = ()
+    tokens: Sequence[int], nbytes: int = 100, *, logits: bool = False, shared: Sequence[tuple[str, int]] = (),
+    points: Sequence[int] = (),
 ) -> FakeState:
-    """A snapshot-only (recurrent) state: usable only at exactly len(tokens)."""
-    return _state(tokens, False, logits, nbytes, shared)
+    """A snapshot-only (recurrent) state: usable only at exactly len(tokens) and at its `points`."""
+    state = _state(tokens, False, logits, nbytes, shared)
+    return FakeState(state.num_tokens, False, logits, state.pieces, tuple(points))
 
 
 def make_cache(max_bytes: int = 10_000) -> PrefixCache:

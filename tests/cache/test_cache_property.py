@@ -31,14 +31,18 @@ def lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def serves(tokens: tuple[int, ...], truncatable: bool, has_logits: bool, prompt: tuple[int, ...]) -> int:
-    """Tokens of `prompt` an entry may serve, straight from the rules."""
+def serves(tokens: tuple[int, ...], truncatable: bool, has_logits: bool, prompt: tuple[int, ...],
+           points: tuple[int, ...] = ()) -> int:
+    """Tokens of `prompt` an entry may serve, straight from the rules (`points`: a snapshot-only
+    state's resume points)."""
     common = lcp(tokens, prompt)
     if tokens == prompt and has_logits:
         return len(prompt)
     served = common if common == len(tokens) < len(prompt) else 0
     if truncatable:
         served = max(served, min(common, len(prompt) - 1))
+    else:
+        served = max([served, *(p for p in points if p <= min(common, len(prompt) - 1))])
     return served
 
 
@@ -51,7 +55,7 @@ class Ref:
     pins: int = 0
 
     def serves(self, prompt: tuple[int, ...]) -> int:
-        return serves(self.tokens, self.state.truncatable, self.state.has_logits, prompt)
+        return serves(self.tokens, self.state.truncatable, self.state.has_logits, prompt, self.state.resume_points)
 
 
 def total_bytes(refs: list[Ref], extra: tuple[tuple[Hashable, int], ...] = ()) -> int:
@@ -75,6 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
         logits=st.booleans(),
         own=st.integers(0, 80),
         shared=st.lists(st.sampled_from(sorted(SHARED)), unique=True, max_size=2),
+        points=st.lists(st.integers(1, 6), unique=True, max_size=3),
     )
     def insert(
         self,
@@ -84,9 +89,13 @@ class CacheMachine(RuleBasedStateMachine):
         logits: bool,
         own: int,
         shared: list[str],
+        points: list[int],
     ) -> None:
-        make = kv if truncatable else snap
-        state = make(tokens, own, logits=logits, shared=[(k, SHARED[k]) for k in shared])
+        pieces = [(k, SHARED[k]) for k in shared]
+        if truncatable:
+            state = kv(tokens, own, logits=logits, shared=pieces)
+        else:  # resume points (a hybrid entry's checkpoints) inside the key
+            state = snap(tokens, own, logits=logits, shared=pieces, points=sorted(p for p in points if p < len(tokens)))
         expected, new_model = self._model_insert(Ref(ns, tokens, state))
         result = self.cache.insert(ns, list(tokens), state)
         assert result.status is expected

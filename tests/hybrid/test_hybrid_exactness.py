@@ -1,7 +1,8 @@
 """Exactness of hybrid states (docs/hybrid.md): resuming from any snapshot (grid positions, odd
-positions, full-prompt entries) equals a run from scratch bit for bit (torch.equal on logits, the
-same greedy tokens), alone and batched with 1, 3 and 7 others; decoded states equal prefilled ones;
-snapshots are deep copies; the cache never truncates a hybrid snapshot."""
+positions, full-prompt entries, a full-prompt entry's recurrent checkpoints found by the cache)
+equals a run from scratch bit for bit (torch.equal on logits, the same greedy tokens), alone and
+batched with 1, 3 and 7 others; decoded states equal prefilled ones; snapshots are deep copies; the
+cache never truncates a hybrid snapshot beyond its checkpoints."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from prefixserve.cache import Hit, PrefixCache
 from prefixserve.config import CacheConfig
 from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner, StepItem
-from prefixserve.runner.hybrid_state import HybridSnapshot, HybridState
+from prefixserve.runner.hybrid_state import GRID, HybridSnapshot, HybridState, checkpoint_positions
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import Namespace
 from tests.hybrid.tiny import VOCAB, make_model
@@ -191,6 +192,43 @@ def test_the_cache_never_truncates_a_hybrid_snapshot(runner):
     assert snap.has_logits and isinstance(same, Hit) and same.num_cached_tokens == 100
     hit = cache.lookup(ns, ids)  # a longer prompt: exactly its 100 tokens
     assert isinstance(hit, Hit) and hit.num_cached_tokens == 100
+
+
+@pytest.mark.parametrize("n", [203, 330])
+def test_resume_from_the_checkpoints_of_a_full_prompt_entry(runner, n):
+    """Prefill stops at the checkpoint positions and keeps them (as the engine does); the full-prompt
+    entry then serves, through the cache, each checkpoint to a prompt that diverges just after it,
+    and the resumed run equals that prompt's run from scratch."""
+    ids = _prompt(n, 200 + n)
+    points = checkpoint_positions(n)
+    assert points and all(p % GRID == 0 for p in points) and len(points) == (2 if n == 203 else 3)
+    st = runner.new_state(n)
+    assert isinstance(st, HybridState) and st.checkpoint_positions(n) == points
+    start = 0
+    for end in [*points, n]:  # chunks end at the checkpoints, where the state keeps them
+        _prefill(runner, st, ids[start:end])
+        if end in points:
+            st.keep_checkpoint()
+        start = end
+    ns = Namespace("m", "t", "")
+    full = PieceStore().snapshot(st, ids, ns)  # the full prompt, with its checkpoints
+    assert isinstance(full, HybridSnapshot) and full.resume_points == tuple(points)
+    ckpt_bytes = sum(c.nbytes for c in st.checkpoints.values())
+    assert all(c.cell.shape[1] == 0 for c in st.checkpoints.values())  # on the grid: no cell rows
+    assert full.nbytes == full.kv.nbytes + st.compact_recurrent().nbytes + ckpt_bytes
+    cache = PrefixCache(CacheConfig(max_bytes=1 << 30))
+    cache.insert(ns, tuple(ids), full)
+    for p in points:
+        other = ids[: p + 5] + _prompt(40, p)
+        hit = cache.lookup(ns, other)
+        assert isinstance(hit, Hit) and hit.num_cached_tokens == p, p
+        resumed = hit.entry.state.restore(p, len(other) - p + GREEDY)
+        assert sorted(resumed.checkpoints) == [q for q in points if q <= p]  # kept, shared
+        _prefill(runner, resumed, other[p:])
+        ref_logits, ref_tokens = _scratch(runner, other)
+        assert torch.equal(resumed.logits, ref_logits), p
+        assert _greedy(runner, resumed) == ref_tokens, p
+    assert cache.check_integrity() is None
 
 
 def test_start_up_self_test_accepts_the_hybrid(runner):

@@ -1,11 +1,14 @@
 """`prefixserve serve --model DIR` on a tiny random hybrid (Qwen3.5 dense) saved to a temp dir:
-the learning sequence over HTTP, outputs equal to a `--cache-max-bytes 0` server, another tenant misses."""
+the learning sequence over HTTP (issue #14: request 2 resumes at the grid-aligned common prefix,
+docs/hybrid.md), outputs equal to a `--cache-max-bytes 0` server, another tenant and a salt miss."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from prefixserve.models.tokenizer import load_tokenizer_folder
+from prefixserve.runner.hybrid_state import GRID
 from tests.helpers.server_proc import ServerProcess
 from tests.hybrid.tiny import make_model
 
@@ -14,9 +17,14 @@ SYSTEM = "You are a terse assistant for the Hybrid Test Suite. " * 5
 KEYS = ["--api-key", "sk-a", "--api-key", "sk-b"]
 
 
-def _chat(srv: ServerProcess, key: str, user: str) -> tuple[str, int, int]:
-    body = {"model": "tiny-qwen35", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}
+def _messages(user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def _chat(srv: ServerProcess, key: str, user: str, salt: str | None = None) -> tuple[str, int, int]:
+    body: dict = {"model": "tiny-qwen35", "max_tokens": 8, "temperature": 0, "messages": _messages(user)}
+    if salt is not None:
+        body["cache_salt"] = salt
     r = httpx.post(srv.openai_url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
                    timeout=120)
     assert r.status_code == 200, r.text
@@ -35,13 +43,21 @@ def test_hybrid_over_http(tmp_path):
         health = httpx.get(srv.base_url + "/health").json()
         got = [_chat(srv, "sk-a", u) for u in users]
         other = _chat(srv, "sk-b", users[2])
+        salted = _chat(srv, "sk-a", users[2], salt="s-1")
     with ServerProcess([*common, "--cache-max-bytes", "0"], env=env) as plain:
         ref = [_chat(plain, "sk-a", u) for u in users]
     assert health["exact_reuse"] is True, health
     assert [g[0] for g in got] == [r[0] for r in ref]  # the same answers as with no cache
     assert other[0] == ref[2][0] and other[1] == 0  # another tenant misses
-    # the common prefix: system prompt + the template up to the user message (byte-level tokenizer)
+    assert salted[0] == ref[2][0] and salted[1] == 0  # so does a salt of the same tenant
+    # the common prefix of the rendered prompts: system prompt + the template up to the user message
+    tok = load_tokenizer_folder(folder)
+    ids = [tok.render_chat(_messages(u)) for u in users]
+    assert [g[2] for g in got] == [len(i) for i in ids]
+    lcp = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1], strict=False)) if a != b)
     cached = [g[1] for g in got]
-    assert cached[0] == 0 and cached[1] == 0  # request 1's full prompt is snapshot-only, not a prefix of 2
-    assert cached[2] > len(SYSTEM) and cached[3] == cached[2]  # 3 and 4 resume at request 2's boundary
+    # 1 stores its full prompt with its checkpoints; 2 resumes at the grid position <= the common
+    # prefix (one of 1's checkpoints); 3 and 4 at least there
+    assert lcp > len(SYSTEM) and cached[0] == 0 and cached[1] == lcp - lcp % GRID > 0
+    assert cached[2] >= cached[1] and cached[3] >= cached[1]
     assert all(r[1] == 0 for r in ref)
