@@ -31,7 +31,7 @@ test: install redis-server
 
 # The long runs: the exactness test's 16 prompts in every mode (`make test` runs 6 for the modes only
 # a flag selects), and the reliability section (tests/reliability, also part of `make test`) with
-# soak-sized counts: 510 disconnect faults, 5 minutes of 32-client load, 500-probe timing audits, longer fuzzing.
+# soak-sized counts: 680 disconnect faults, 5 minutes of 32-client load, 500-probe timing audits, longer fuzzing.
 soak: install
 	SOAK=1 $(PY) -m pytest -q tests/runner/test_exactness.py -k resume
 	SOAK=1 $(PY) -m pytest -q -s tests/reliability

@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -16,6 +16,7 @@ from prefixserve.engine import control
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
 from prefixserve.engine.session import kv_bytes_needed
+from prefixserve.engine.streams import Streams
 from prefixserve.engine.torch_thread import TorchThread
 from prefixserve.types import (
     Delta,
@@ -31,36 +32,8 @@ from prefixserve.types import (
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
-ABORT_USAGE_WAIT_S = 10.0  # how long a closed stream waits for its abort's final usage (one engine step)
-MAX_ABANDONED = 4096  # final usages of closed streams kept for the server to collect
 METRICS_WAIT_S = 2.0  # /metrics waits this long for the engine to finish its step, then serves the last view
 MAX_FAILED_STEPS = 3  # failed steps in a row (no progress) after which every request is failed
-
-
-class Abandoned:
-    """A request whose stream was closed early, collecting the final usage of its abort (event-loop
-    side: `put_nowait` stands in for the stream's queue)."""
-
-    def __init__(self, future: asyncio.Future[Usage | None], num_left: int, done: Callable[[], None]) -> None:
-        self.future = future
-        self.num_left = num_left  # choices not finished yet
-        self.usage: Usage | None = None
-        self._done = done
-
-    def take_over(self, q: asyncio.Queue[Delta]) -> None:
-        while not q.empty():
-            self.put_nowait(q.get_nowait())
-
-    def put_nowait(self, delta: Delta) -> None:
-        if self.future.done():
-            return
-        if delta.usage is not None:
-            self.usage = delta.usage
-        if delta.finish_reason is not None:
-            self.num_left -= 1
-            if self.num_left <= 0 or delta.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-                self.future.set_result(self.usage)
-                self._done()
 
 
 class AsyncEngine:
@@ -81,8 +54,7 @@ class AsyncEngine:
         self._model_source = model_source  # the weights' path (fingerprinted), "" when not known
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta] | Abandoned]] = {}
-        self._lock = threading.Lock()
+        self._streams = Streams()
         self._accepting = True
         self._stop = False
         self._last_failure: str | None = None  # the last failed step (its requests failed; serving went on)
@@ -91,7 +63,6 @@ class AsyncEngine:
         # read the cache and counters between steps, never while the engine thread mutates them
         self._core_lock = threading.Lock()
         self._metrics: dict[str, float] = {}
-        self._abandoned: dict[str, Abandoned] = {}  # request id -> a stream closed early, its final usage to come
         core.emit = self._emit
         self._thread = thread or TorchThread()
         self._thread.run_last(self._run)
@@ -108,12 +79,7 @@ class AsyncEngine:
         if self.core.num_waiting() + self._inbox.qsize() >= limit:
             raise Overloaded(f"too many requests are waiting ({limit}); retry shortly", retry_after_s=2)
         rid = request.request_id
-        q: asyncio.Queue[Delta] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if rid in self._streams:
-                raise InvalidRequest(f"request id {rid!r} is already in use")
-            self._streams[rid] = (loop, q)
+        q = self._streams.open(rid)
         self._submit("add", request)
         finished = False  # every choice finished, or the request failed
         num_left = request.num_choices
@@ -127,41 +93,15 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            with self._lock:
-                if finished:
-                    self._streams.pop(rid, None)
-                else:  # closed early (the client left): what the abort computed goes to `abandoned_usage`
-                    self._streams[rid] = (loop, self._abandon(rid, num_left, q, loop))
+            self._streams.close(rid, q, num_left, early=not finished)  # early: the abort's usage is kept
             if num_left > 0:  # the client went away, or one choice failed: stop the others
                 self._submit("abort", rid)
-
-    def _abandon(self, rid: str, num_left: int, q: asyncio.Queue[Delta], loop: asyncio.AbstractEventLoop) -> Abandoned:
-        """Swap the stream's queue for an `Abandoned` record (under self._lock). Deltas the engine
-        already handed to the queue run first (callbacks run in order), then the queue's leftovers
-        move over, then the engine's next Deltas arrive directly."""
-        if len(self._abandoned) >= MAX_ABANDONED:  # a caller that never collects: forget the oldest
-            self._abandoned.pop(next(iter(self._abandoned)))
-        rec = Abandoned(loop.create_future(), num_left, lambda: self._forget_stream(rid))
-        self._abandoned[rid] = rec
-        loop.call_soon(rec.take_over, q)
-        return rec
-
-    def _forget_stream(self, rid: str) -> None:
-        with self._lock:
-            self._streams.pop(rid, None)
 
     async def abandoned_usage(self, request_id: str) -> Usage | None:
         """The final usage of a request whose stream was closed early: what its abort found computed
         (a request still queued: nothing). Waits for the engine (it drains its inbox between steps),
-        at most ABORT_USAGE_WAIT_S; once per request; None when unknown."""
-        rec = self._abandoned.pop(request_id, None)
-        if rec is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(rec.future), ABORT_USAGE_WAIT_S)
-        except TimeoutError:
-            log.warning("no final usage for aborted request %s within %.0f s", request_id, ABORT_USAGE_WAIT_S)
-            return rec.usage
+        boundedly (engine/streams.py); once per request; None when unknown."""
+        return await self._streams.abandoned_usage(request_id)
 
     def validate(self, request: Request) -> None:
         """Raises PromptTooLong / InvalidRequest before any work is queued."""
@@ -283,14 +223,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _emit(self, request_id: str, delta: Delta) -> None:
-        with self._lock:  # scheduled under the lock: ordered with a stream's swap (`_abandon`)
-            target = self._streams.get(request_id)
-            if target is not None:
-                loop, q = target
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, delta)
-                except RuntimeError:  # the caller's loop is closed
-                    pass
+        self._streams.emit(request_id, delta)
 
     def _run(self) -> None:
         """The engine loop. A failed step fails only the requests it concerns (EngineCore.
@@ -343,8 +276,7 @@ class AsyncEngine:
         """Stop serving: refuse new requests and end every open stream with the error now."""
         self._dead = message
         self._accepting = False
-        with self._lock:
-            rids = list(self._streams)
+        rids = self._streams.ids()
         for rid in rids:
             self._emit(rid, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
                                   error=f"the engine stopped: {message}"))

@@ -18,7 +18,7 @@ mid-prefill hang-ups really cut prefill short (fewer prompt tokens computed than
 ledger bills exactly what the engine computed: its prompt tokens sum to the engine's cached plus
 computed prompt tokens, its cached and output tokens to the engine's (a request aborted while queued
 bills nothing; one aborted mid-prefill the prompt tokens processed, cached and computed).
-`make test` runs 80 cases (20 of each kind) after a 12-case warm-up; `make soak` runs 680 (170 each).
+`make test` runs 100 cases (25 of each kind) after a 12-case warm-up; `make soak` runs 680 (170 each).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def prefill_seconds(target: Target, rng: random.Random) -> float:
 def test_disconnects_free_their_sessions_and_nothing_grows(main: Target) -> None:
     seed = time.time_ns()  # fresh prompts on every run, even against a server that saw an earlier one
     rng = random.Random(seed)
-    per_kind = scaled(20, 170)
+    per_kind = scaled(25, 170)
     since = int(time.time()) - 1
     m_start = scrape(main)
     prefill_s = prefill_seconds(main, rng)
