@@ -50,6 +50,17 @@ class Row:
         return self.ratio <= bound if op == "<=" else self.ratio >= bound
 
 
+def _busy_note(ours: Raw | None, peer: Raw | None, key: str, n: int) -> str:
+    """How much the busy core slowed each server: busy median / quiet median."""
+    parts = []
+    for name, raw in (("ours", ours), ("peer", peer)):
+        quiet = median_p90(_values(raw, f"{key}_{n}", lambda r: r["ttft_s"]))[0]
+        busy = median_p90(_values(raw, f"busy_{key}_{n}", lambda r: r["ttft_s"]))[0]
+        if quiet and busy:
+            parts.append(f"{name} {busy / quiet:.2f}x its quiet value")
+    return "; ".join(parts)
+
+
 def median_p90(values: list[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
@@ -114,6 +125,22 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
                 lambda r: r["ttft_s"] * 1000,
                 None,
                 ratio_on_p90=True,
+            )
+        )
+    n = plan.get("contended_prompt_len")
+    for label, key in (("Cold TTFT", "cold_ttft"), ("Warm TTFT", "warm_ttft")):
+        if n is None:
+            break
+        rows.append(
+            _row(
+                f"{label}, {n}-tok system, one core busy with another process",
+                "ms",
+                ours,
+                peer,
+                f"busy_{key}_{n}",
+                lambda r: r["ttft_s"] * 1000,
+                None,
+                note=_busy_note(ours, peer, key, n),
             )
         )
     rows.append(

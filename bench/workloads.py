@@ -8,9 +8,11 @@ byte-identical requests.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from client import BenchClient, StreamResult
@@ -34,6 +36,7 @@ class BenchPlan:
     concurrency_max_tokens: int = 64
     ttft_max_tokens: int = 4
     unrelated_prompt_len: int = 200
+    contended_prompt_len: int = 600  # cold and warm TTFT again with a busy process on one core
 
     def __post_init__(self) -> None:
         if self.num_runs < 1 or self.concurrency_rounds < 1:
@@ -44,7 +47,8 @@ class BenchPlan:
         num_lens = len(self.prompt_lens)
         per_len = self.num_runs + (1 + self.num_runs) + (1 + self.num_runs) + (1 + 2 * self.num_runs)
         concurrency = 1 + self.concurrency_rounds * sum(self.concurrency_levels)
-        return num_lens * per_len + len(self.decode_max_tokens) * self.num_runs + concurrency
+        contended = self.num_runs + (1 + self.num_runs)
+        return num_lens * per_len + len(self.decode_max_tokens) * self.num_runs + concurrency + contended
 
 
 # ---------------------------------------------------------------- workloads
@@ -73,7 +77,27 @@ async def run_suite(
     for max_tokens in plan.decode_max_tokens:
         await decode(client, plan, max_tokens, suite, tick)
     await concurrency(client, plan, prompts, suite, tick)
+    await contended(client, plan, prompts, suite, tick)
     return suite
+
+
+async def contended(
+    client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
+) -> None:
+    """Cold and warm TTFT while another process keeps one core busy (a plain Python loop): servers
+    share machines. Recorded under `busy_` keys beside the quiet ones."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        await asyncio.sleep(0.5)
+        inner = SuiteResult()
+        tag = replace(plan, run_tag=f"{plan.run_tag}-busy")
+        await cold_ttft(client, tag, prompts, plan.contended_prompt_len, inner, tick)
+        await warm_ttft(client, tag, prompts, plan.contended_prompt_len, inner, tick)
+        for key, records in inner.records.items():
+            suite.records[f"busy_{key}"] = records
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 async def cold_ttft(
