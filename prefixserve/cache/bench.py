@@ -68,7 +68,7 @@ def _measure(num_entries: int) -> dict[str, list[int]]:
         return tuple(rng.choice(systems) + rng.choices(vocab, k=rng.randint(40, 200)))
 
     ns = Namespace("bench-model", "tenant")
-    cache = PrefixCache(CacheConfig(max_bytes=num_entries * ENTRY_BYTES))
+    cache: PrefixCache[_FakeState] = PrefixCache(CacheConfig(max_bytes=num_entries * ENTRY_BYTES))
     prompts = [chat_prompt() for _ in range(num_entries)]
     states = [_FakeState(len(p), i) for i, p in enumerate(prompts)]
     samples: dict[str, list[int]] = {}

@@ -64,7 +64,7 @@ class DiskTier(WriteBehind):
         self.fingerprint = fingerprint
         self.runtime = runtime
         self._codec = codec
-        self._index = PrefixCache(CacheConfig(max_bytes=max_bytes))
+        self._index: PrefixCache[DiskRef] = PrefixCache(CacheConfig(max_bytes=max_bytes))
         self._lock = threading.Condition()
         self._c = TierCounters()
         self._pending: deque[tuple[Namespace, tuple[int, ...], Any, int]] = deque()
@@ -79,7 +79,7 @@ class DiskTier(WriteBehind):
 
     # ---- engine thread --------------------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, prompt: Sequence[int]) -> Hit | None:
+    def lookup(self, ns: Namespace, prompt: Sequence[int]) -> Hit[DiskRef] | None:
         """The disk entry serving the most of `prompt` (RAM's rules), or None. Touches its recency."""
         with self._lock:
             self._c.num_lookups += 1
@@ -91,7 +91,7 @@ class DiskTier(WriteBehind):
             self._c.num_hits += 1
             return hit
 
-    def load(self, hit: Hit) -> Future[Loaded | LoadFailed]:
+    def load(self, hit: Hit[DiskRef]) -> Future[Loaded | LoadFailed]:
         """Read, verify and decode `hit`'s file on the loader thread. The entry is pinned meanwhile
         (not evicted; a flush still forgets it). A corrupt file is dropped, logged and counted."""
         with self._lock:
@@ -197,9 +197,9 @@ class DiskTier(WriteBehind):
                 self._c.num_write_bytes += len(data) if result.stored else 0
         _remove(stale)
 
-    def _load(self, entry: Entry) -> Loaded | LoadFailed:
+    def _load(self, entry: Entry[DiskRef]) -> Loaded | LoadFailed:
         t0 = time.monotonic()
-        ref: DiskRef = entry.state  # type: ignore[assignment]
+        ref = entry.state
         try:
             with open(ref.path, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)  # read once, into memory the state keeps
@@ -261,7 +261,7 @@ class DiskTier(WriteBehind):
         log.info("disk tier %s: %d entries, %d bytes", self.directory, self._index.num_entries, self._index.num_bytes)
 
 
-def _path_of(entry: Entry) -> str:
+def _path_of(entry: Entry[DiskRef]) -> str:
     assert isinstance(entry.state, DiskRef)
     return entry.state.path
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic
 
-from prefixserve.cache.state import CachedState
+from prefixserve.cache.state import CachedState, S
 from prefixserve.types import Namespace
 
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False, slots=True)
-class Entry:
+class Entry(Generic[S]):
     """One cached state, keyed by the exact token prefix it was computed from, inside one namespace.
 
     Read-only for everyone but the cache. Equality is identity. `truncatable`, `has_logits`, `nbytes`
@@ -25,7 +25,7 @@ class Entry:
 
     namespace: Namespace
     token_ids: tuple[int, ...]
-    state: CachedState
+    state: S
     truncatable: bool
     has_logits: bool
     nbytes: int
@@ -33,7 +33,7 @@ class Entry:
     points: tuple[int, ...] = ()  # shorter lengths a snapshot-only state also restores to (resume_points)
     num_pins: int = 0  # sessions copying from it right now; > 0 means never evicted
     is_cached: bool = True  # False once evicted, replaced or cleared
-    node: Node | None = None  # where the index holds it; None once dropped
+    node: Node[S] | None = None  # where the index holds it; None once dropped
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +60,7 @@ def resume_points(state: CachedState) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class Hit:
+class Hit(Generic[S]):
     """Copy the first `num_cached_tokens` tokens of `entry.state` (unless truncatable: all of it, or
     one of its resume points), then compute the rest of the prompt. `num_cached_tokens ==
     len(prompt)` only when the entry is exactly the prompt and carries its logits: then no forward
@@ -69,7 +69,7 @@ class Hit:
     `lcp_len` is the longest common prefix of the prompt with any entry of its namespace (>= the hit);
     for a snapshot-only runtime it is where a boundary entry pays off."""
 
-    entry: Entry
+    entry: Entry[S]
     num_cached_tokens: int
     lcp_len: int
 
@@ -91,12 +91,12 @@ class InsertStatus(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class InsertResult:
+class InsertResult(Generic[S]):
     status: InsertStatus
-    entry: Entry | None  # what the cache holds for these tokens after the call (None if nothing)
+    entry: Entry[S] | None  # what the cache holds for these tokens after the call (None if nothing)
     num_evicted: int = 0  # entries evicted to make room
     num_evicted_bytes: int = 0  # bytes those evictions freed
-    evicted: tuple[Entry, ...] = ()  # the entries evicted, least recently used first
+    evicted: tuple[Entry[S], ...] = ()  # the entries evicted, least recently used first
 
     @property
     def stored(self) -> bool:

@@ -20,40 +20,42 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Generic
 
 from prefixserve.cache.entry import Entry
+from prefixserve.cache.state import S
 
 
-class Node:
+class Node(Generic[S]):
     __slots__ = ("children", "depth", "edge", "entry", "marks", "num_truncatable", "parent")
 
-    def __init__(self, edge: tuple[int, ...], depth: int, parent: Node | None) -> None:
+    def __init__(self, edge: tuple[int, ...], depth: int, parent: Node[S] | None) -> None:
         self.edge = edge  # the tokens from the parent to here; () for the root
         self.depth = depth  # tokens from the root to here
         self.parent = parent
-        self.children: dict[int, Node] = {}  # first token of the child's edge -> child
-        self.entry: Entry | None = None
+        self.children: dict[int, Node[S]] = {}  # first token of the child's edge -> child
+        self.entry: Entry[S] | None = None
         self.num_truncatable = 0  # truncatable entries in this subtree, own entry included
-        self.marks: list[tuple[int, Entry]] = []  # resume points on this node's edge (module docstring)
+        self.marks: list[tuple[int, Entry[S]]] = []  # resume points on this node's edge (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
-class Match:
+class Match(Generic[S]):
     """The best usable entry for a prompt (None: nothing usable) and the prompt's lcp with the index."""
 
-    entry: Entry | None
+    entry: Entry[S] | None
     num_cached_tokens: int
     lcp_len: int
 
 
-class RadixIndex:
+class RadixIndex(Generic[S]):
     """Entries of one namespace by exact token prefix. Mutated only through `add` and `remove`."""
 
     def __init__(self) -> None:
-        self.root = Node((), 0, None)
+        self.root: Node[S] = Node((), 0, None)
         self.num_entries = 0
 
-    def match(self, prompt: tuple[int, ...]) -> Match:
+    def match(self, prompt: tuple[int, ...]) -> Match[S]:
         """The entry serving the most tokens of `prompt` under the usability rules, without mutating.
 
         An entry with key T serves: len(T) if T is a proper prefix of the prompt; len(prompt) if T is
@@ -65,11 +67,11 @@ class RadixIndex:
         cap = num_prompt - 1  # a partial hit leaves the engine >= 1 token to compute
         node = self.root
         pos = 0
-        best: Entry | None = None
+        best: Entry[S] | None = None
         best_len = 0
-        trunc_node: Node | None = None  # deepest subtree known to hold a truncatable entry ...
+        trunc_node: Node[S] | None = None  # deepest subtree known to hold a truncatable entry ...
         trunc_len = 0  # ... and what that entry serves
-        mark: tuple[int, Entry | None] = (0, None)  # deepest resume point met on the way
+        mark: tuple[int, Entry[S] | None] = (0, None)  # deepest resume point met on the way
         while True:
             entry = node.entry
             if entry is not None:
@@ -101,7 +103,7 @@ class RadixIndex:
             return Match(_any_truncatable(trunc_node), trunc_len, pos)
         return Match(best, best_len, pos)
 
-    def get(self, token_ids: tuple[int, ...]) -> Entry | None:
+    def get(self, token_ids: tuple[int, ...]) -> Entry[S] | None:
         """The entry keyed by exactly `token_ids`, or None. Does not mutate."""
         node, pos, split = self._descend(token_ids)
         if split == 0 and pos == len(token_ids):
@@ -122,13 +124,13 @@ class RadixIndex:
                 lengths.append(pos)
         return lengths
 
-    def add(self, entry: Entry) -> None:
+    def add(self, entry: Entry[S]) -> None:
         """File `entry` under its key, splitting an edge if needed. The key must not be present yet."""
         key = entry.token_ids
         node, pos, split = self._descend(key)
         if split:  # the key diverges from (or ends inside) the edge to `child`: cut the edge there
             child = node.children[key[pos]]
-            mid = Node(child.edge[:split], node.depth + split, node)
+            mid: Node[S] = Node(child.edge[:split], node.depth + split, node)
             mid.num_truncatable = child.num_truncatable
             mid.marks = [m for m in child.marks if m[0] <= mid.depth]
             child.marks = [m for m in child.marks if m[0] > mid.depth]
@@ -138,7 +140,7 @@ class RadixIndex:
             node.children[key[pos]] = mid
             node, pos = mid, pos + split
         if pos < len(key):
-            leaf = Node(key[pos:], len(key), node)
+            leaf: Node[S] = Node(key[pos:], len(key), node)
             node.children[key[pos]] = leaf
             node = leaf
         assert node.entry is None, "key already present"
@@ -153,7 +155,7 @@ class RadixIndex:
                 at = at.parent
             at.marks.append((point, entry))
 
-    def remove(self, entry: Entry) -> None:
+    def remove(self, entry: Entry[S]) -> None:
         """Unfile `entry` (which must be filed here) and compress the tree around its node."""
         node = entry.node
         assert node is not None and node.entry is entry, "entry is not in this index"
@@ -163,7 +165,7 @@ class RadixIndex:
         if entry.truncatable:
             _add_truncatable(node, -1)
         if entry.points:
-            at: Node | None = node
+            at: Node[S] | None = node
             while at is not None:
                 at.marks = [m for m in at.marks if m[1] is not entry]
                 at = at.parent
@@ -177,7 +179,7 @@ class RadixIndex:
         elif len(node.children) == 1:
             _merge_into_child(node)
 
-    def entries(self) -> Iterator[Entry]:
+    def entries(self) -> Iterator[Entry[S]]:
         """Every entry, depth first. Does not mutate; do not mutate the index while iterating."""
         stack = [self.root]
         while stack:
@@ -190,7 +192,7 @@ class RadixIndex:
         """Assert the tree's invariants (see the module docstring); return the number of entries."""
         count = 0
         marks: list[tuple[int, int]] = []
-        stack: list[tuple[Node, tuple[int, ...]]] = [(self.root, ())]
+        stack: list[tuple[Node[S], tuple[int, ...]]] = [(self.root, ())]
         _require(self.root.entry is None and self.root.edge == (), "the root holds no entry or edge")
         while stack:
             node, path = stack.pop()
@@ -219,7 +221,7 @@ class RadixIndex:
         _require(sorted(marks) == sorted(points), "marks != the entries' resume points")
         return count
 
-    def _descend(self, key: tuple[int, ...]) -> tuple[Node, int, int]:
+    def _descend(self, key: tuple[int, ...]) -> tuple[Node[S], int, int]:
         """Follow `key` down whole edges: (deepest node reached, its depth, split) where split > 0 means
         the key shares `split` tokens with the next edge but does not contain all of it."""
         node = self.root
@@ -249,7 +251,7 @@ def _common_len(edge: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int
     return lo
 
 
-def _deepest_mark(node: Node, limit: int, best: tuple[int, Entry | None]) -> tuple[int, Entry | None]:
+def _deepest_mark(node: Node[S], limit: int, best: tuple[int, Entry[S] | None]) -> tuple[int, Entry[S] | None]:
     """The deepest of `best` and `node`'s marks at depth <= limit."""
     for depth, entry in node.marks:
         if best[0] < depth <= limit:
@@ -257,20 +259,20 @@ def _deepest_mark(node: Node, limit: int, best: tuple[int, Entry | None]) -> tup
     return best
 
 
-def _any_truncatable(node: Node) -> Entry:
+def _any_truncatable(node: Node[S]) -> Entry[S]:
     """A truncatable entry in `node`'s subtree (which must hold one): the first met on the way down."""
     while node.entry is None or not node.entry.truncatable:
         node = next(c for c in node.children.values() if c.num_truncatable)
     return node.entry
 
 
-def _add_truncatable(node: Node | None, delta: int) -> None:
+def _add_truncatable(node: Node[S] | None, delta: int) -> None:
     while node is not None:
         node.num_truncatable += delta
         node = node.parent
 
 
-def _merge_into_child(node: Node) -> None:
+def _merge_into_child(node: Node[S]) -> None:
     """Remove an entry-less, single-child, non-root `node` by prepending its edge to its child's."""
     parent = node.parent
     assert parent is not None and node.entry is None and len(node.children) == 1

@@ -10,11 +10,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Generic
 
 from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss, resume_points
 from prefixserve.cache.index import RadixIndex, _require
 from prefixserve.cache.room import plan_room
-from prefixserve.cache.state import CachedState
+from prefixserve.cache.state import S
 from prefixserve.cache.stats import CacheStats, Counters, add_counters, snapshot
 from prefixserve.cache.storage import StorageLedger, validate_pieces
 from prefixserve.config import CacheConfig
@@ -26,15 +27,15 @@ MAX_IDLE_NAMESPACES = 4096
 
 
 @dataclass(slots=True)
-class _Space:
+class _Space(Generic[S]):
     """One namespace: its index, its bytes (shared storage once within it) and its counters."""
 
-    index: RadixIndex = field(default_factory=RadixIndex)
+    index: RadixIndex[S] = field(default_factory=RadixIndex)
     ledger: StorageLedger = field(default_factory=StorageLedger)
     counters: Counters = field(default_factory=Counters)
 
 
-class PrefixCache:
+class PrefixCache(Generic[S]):
     """Model states keyed by (namespace, exact token-id prefix), within `config.max_bytes` in all.
 
     Visibility is per namespace: a lookup sees only its own namespace's entries. Memory is global:
@@ -44,8 +45,8 @@ class PrefixCache:
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self._spaces: dict[Namespace, _Space] = {}
-        self._lru: OrderedDict[Entry, None] = OrderedDict()  # least recently used first
+        self._spaces: dict[Namespace, _Space[S]] = {}
+        self._lru: OrderedDict[Entry[S], None] = OrderedDict()  # least recently used first
         self._ledger = StorageLedger()  # all entries; shared storage once across namespaces
         self._retired = Counters()  # counters of idle namespaces folded away
         self._sweep_at = MAX_IDLE_NAMESPACES
@@ -59,7 +60,7 @@ class PrefixCache:
     def num_entries(self) -> int:
         return len(self._lru)
 
-    def lookup(self, ns: Namespace, token_ids: Sequence[int]) -> Hit | Miss:
+    def lookup(self, ns: Namespace, token_ids: Sequence[int]) -> Hit[S] | Miss:
         """The entry serving the most tokens of the prompt `token_ids` in namespace `ns`.
 
         Mutates only recency (a hit becomes most recently used) and counters; always safe to call.
@@ -88,7 +89,7 @@ class PrefixCache:
             counters.num_partial_hits += 1
         return Hit(match.entry, match.num_cached_tokens, match.lcp_len)
 
-    def insert(self, ns: Namespace, token_ids: Sequence[int], state: CachedState) -> InsertResult:
+    def insert(self, ns: Namespace, token_ids: Sequence[int], state: S) -> InsertResult[S]:
         """Cache `state`, the model state after the prompt `token_ids`, in namespace `ns`.
 
         Mutates. On `stored`, the cache holds `state` and the caller must never mutate it again
@@ -142,7 +143,7 @@ class PrefixCache:
         space = self._spaces.get(ns)
         return [] if space is None else space.index.entry_lengths(tuple(token_ids))
 
-    def get(self, ns: Namespace, token_ids: Sequence[int]) -> Entry | None:
+    def get(self, ns: Namespace, token_ids: Sequence[int]) -> Entry[S] | None:
         """The entry keyed by exactly `token_ids` in `ns`, or None. Does not mutate."""
         space = self._spaces.get(ns)
         return None if space is None else space.index.get(tuple(token_ids))
@@ -169,19 +170,19 @@ class PrefixCache:
             freed += self._evict_one(victim)
         return freed
 
-    def discard(self, entry: Entry) -> int:
+    def discard(self, entry: Entry[S]) -> int:
         """Forget one entry (pinned or not) if it is still cached; return the bytes freed. Mutates;
         not counted as an eviction. For a lower tier dropping a file found corrupt."""
         return self._drop(entry) if entry.is_cached else 0
 
-    def pin(self, entry: Entry) -> None:
+    def pin(self, entry: Entry[S]) -> None:
         """Keep `entry` from eviction until a matching `unpin`. Pins nest. Raises ValueError if the
         entry is no longer cached (pin right after the lookup, before anything can evict it)."""
         if not entry.is_cached:
             raise ValueError(f"{entry} is not cached")
         entry.num_pins += 1
 
-    def unpin(self, entry: Entry) -> None:
+    def unpin(self, entry: Entry[S]) -> None:
         """Release one `pin`. Safe on an entry dropped by `clear` meanwhile. Raises ValueError if the
         entry is not pinned."""
         if entry.num_pins <= 0:
@@ -189,7 +190,7 @@ class PrefixCache:
         entry.num_pins -= 1
 
     @contextmanager
-    def pinned(self, entry: Entry) -> Iterator[Entry]:
+    def pinned(self, entry: Entry[S]) -> Iterator[Entry[S]]:
         """`with cache.pinned(hit.entry) as entry: copy entry.state` — pin for the block's duration."""
         self.pin(entry)
         try:
@@ -197,7 +198,7 @@ class PrefixCache:
         finally:
             self.unpin(entry)
 
-    def entries(self, ns: Namespace | None = None) -> list[Entry]:
+    def entries(self, ns: Namespace | None = None) -> list[Entry[S]]:
         """Cached entries (of `ns`, or all), least recently used first. Does not mutate."""
         return [e for e in self._lru if ns is None or e.namespace == ns]
 
@@ -245,7 +246,7 @@ class PrefixCache:
         Costs O(cached tokens): for tests and debugging."""
         max_bytes = self.config.max_bytes
         _require(self._ledger.num_bytes <= max_bytes, f"{self._ledger.num_bytes} B over budget {max_bytes}")
-        by_space: dict[Namespace, list[Entry]] = {}
+        by_space: dict[Namespace, list[Entry[S]]] = {}
         for entry in self._lru:
             _require(entry.is_cached and entry.node is not None, f"{entry} in the LRU but not indexed")
             _require(entry.num_pins >= 0, f"{entry} has a negative pin count")
@@ -262,7 +263,7 @@ class PrefixCache:
             )
             space.ledger.check(entry.pieces for entry in members)
 
-    def _space(self, ns: Namespace) -> _Space:
+    def _space(self, ns: Namespace) -> _Space[S]:
         space = self._spaces.get(ns)
         if space is None:
             if len(self._spaces) >= self._sweep_at:
@@ -278,14 +279,14 @@ class PrefixCache:
             self._retired = add_counters(self._retired, retired)
         self._sweep_at = max(MAX_IDLE_NAMESPACES, 2 * len(self._spaces))
 
-    def _evict_one(self, entry: Entry) -> int:
+    def _evict_one(self, entry: Entry[S]) -> int:
         freed = self._drop(entry)
         counters = self._spaces[entry.namespace].counters
         counters.num_evictions += 1
         counters.num_evicted_bytes += freed
         return freed
 
-    def _drop(self, entry: Entry) -> int:
+    def _drop(self, entry: Entry[S]) -> int:
         """Remove a cached entry from index, LRU and ledgers; return the global bytes freed."""
         space = self._spaces[entry.namespace]
         space.index.remove(entry)

@@ -8,7 +8,7 @@ out of the cache while holding a pin on its entry (`PrefixCache.pinned`).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 
 @runtime_checkable
@@ -52,3 +52,7 @@ class CachedState(Protocol):
         entries view) and count once against the budget; a key must always come with the same nbytes.
         """
         ...
+
+
+# The state type one cache stores (the engine: the runner's snapshots; the disk tier: file references).
+S = TypeVar("S", bound=CachedState)

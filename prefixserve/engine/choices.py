@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefixserve.cache import PrefixCache
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.protocol import TokenizerLike
-from prefixserve.engine.session import Phase, Session
+from prefixserve.engine.session import Phase, Session, Snapshot
 from prefixserve.runner import make_generator
 
 
-def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache) -> list[Session]:
+def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache[Snapshot]) -> list[Session]:
     """Choices 1..n-1 of `s`'s request, when choice 0 `s` has the prompt's last logits (after its
     prefill, or from a full-hit entry still pending): each starts from a deep copy of `s`'s state, or
     holds its own pin of the same entry (taken here; released when its copy is made or it finishes),
@@ -27,7 +27,8 @@ def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache) -> li
         )
         if s.state is not None:
             child.state = s.state.clone()
-        else:
+        else:  # a full hit whose copy is still pending
+            assert s.pending_restore is not None
             cache.pin(s.pending_restore)
             child.pending_restore = s.pending_restore
         s.choices.append(child)

@@ -22,7 +22,7 @@ from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
-from prefixserve.engine.session import Phase, Session, kv_bytes_needed
+from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed
 from prefixserve.runner import (
     ModelRunner,
     StepItem,
@@ -65,7 +65,7 @@ class EngineCore:
         self,
         runner: ModelRunner,
         tokenizer: TokenizerLike,
-        cache: PrefixCache,
+        cache: PrefixCache[Snapshot],
         config: EngineConfig,
         max_model_len: int,
         emit: Emit,
@@ -174,7 +174,8 @@ class EngineCore:
         for s in active:
             if s.phase is Phase.DECODE and s.key in self._pending:
                 token = self._pending.pop(s.key)
-                items.append(StepItem(s.state, [token], decode=True))  # type: ignore[arg-type]
+                assert s.state is not None  # restored above, if the hit's copy was pending
+                items.append(StepItem(s.state, [token], decode=True))
                 decoding.append(s)
                 self._last_step.append((s, token))
                 budget -= 1
@@ -182,7 +183,8 @@ class EngineCore:
             if s.phase is not Phase.PREFILL or budget <= 0:
                 continue
             start, end = s.next_prefill_chunk(min(self.config.prefill_chunk_tokens, budget))
-            items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))  # type: ignore[arg-type]
+            assert s.state is not None  # a prefilling session was restored when it started
+            items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))
             prefill_ends.append((s, start, end))
             self._last_step.append((s, None))
             budget -= end - start
@@ -259,7 +261,7 @@ class EngineCore:
             s.state = self.runner.new_state(room)
             return
         try:
-            s.state = entry.state.restore(s.num_cached, room - s.num_cached)  # type: ignore[attr-defined]
+            s.state = entry.state.restore(s.num_cached, room - s.num_cached)
         finally:
             s.pending_restore = None
             self.cache.unpin(entry)
@@ -274,7 +276,8 @@ class EngineCore:
         if s.state is not None:
             logits = s.state.logits
         else:  # a full hit whose copy is still pending
-            logits = s.pending_restore.state.logits  # type: ignore[union-attr]
+            assert s.pending_restore is not None
+            logits = s.pending_restore.state.logits
         assert logits is not None
         sp = s.request.sampling
         allowed = None if s.matcher is None else s.matcher.allowed()

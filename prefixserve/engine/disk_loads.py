@@ -16,14 +16,14 @@ from prefixserve.cache import PrefixCache
 from prefixserve.cache.disk import DiskTier
 from prefixserve.cache.shared import SharedTier
 from prefixserve.cache.tier import Loaded, LoadFailed
-from prefixserve.engine.session import Session
+from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner.pieces import PieceStore
 
 MIN_DISK_GAIN_TOKENS = 32  # a disk entry must serve this many tokens more than RAM to be loaded
 
 
 class DiskLoads:
-    def __init__(self, disk: DiskTier | None, cache: PrefixCache, pieces: PieceStore,
+    def __init__(self, disk: DiskTier | None, cache: PrefixCache[Snapshot], pieces: PieceStore,
                  shared: SharedTier | None = None) -> None:
         self.disk = disk
         self.shared = shared

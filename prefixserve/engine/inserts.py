@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prefixserve.cache import Hit, Miss
-from prefixserve.engine.session import Session
+from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner import SessionState
 from prefixserve.types import Namespace
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
 
 
-def plan(core: EngineCore, s: Session, hit: Hit | Miss | None) -> None:
+def plan(core: EngineCore, s: Session, hit: Hit[Snapshot] | Miss | None) -> None:
     """Where the prefill of a restored session stops for the cache. A boundary entry at the prompt's
     longest common prefix with its namespace, or where the state puts it (a snapshot-only state: the
     grid position at or below it, unless the hit already serves that far); and a snapshot-only

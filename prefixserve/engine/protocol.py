@@ -82,6 +82,7 @@ class TokenizerLike(Protocol):
 class EngineClient(Protocol):
     model_id: str  # the served model name, also the cache namespace's model_id
     max_model_len: int
+    vocab_size: int  # token ids outside [0, vocab_size) are refused before they reach the engine
     tokenizer: TokenizerLike
 
     def generate(self, request: Request) -> AsyncIterator[Delta]:

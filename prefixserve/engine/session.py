@@ -5,14 +5,30 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from prefixserve.cache import CachedState, Entry
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner import SessionState
 from prefixserve.types import FinishReason, Namespace, Request, Usage
+
+
+class Snapshot(CachedState, Protocol):
+    """What the engine's cache stores and a session starts from: a runner snapshot (runner/state.py
+    KVSnapshot, runner/hybrid_state.py HybridSnapshot). The cache reads only its CachedState part."""
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """The logits of its last position (None unless `has_logits`)."""
+        ...
+
+    def restore(self, num_tokens: int, extra_capacity: int) -> SessionState:
+        """A deep copy of its first `num_tokens` tokens (its own length or a resume point, unless
+        truncatable) into a new session state with room for `extra_capacity` more tokens."""
+        ...
 
 
 class Phase(enum.Enum):
@@ -43,7 +59,7 @@ class Session:
     num_refilled: int = 0  # of num_cached: computed at admission for this prompt (a turn refill), billed as computed
     boundary: int = 0
     checkpoints: list[int] = field(default_factory=list)
-    pending_restore: Any = None  # a pinned cache Entry to copy from before the next forward
+    pending_restore: Entry[Snapshot] | None = None  # a pinned cache entry to copy from before the next forward
     to_insert: list[int] = field(default_factory=list)  # lengths to snapshot into the cache after the first token
     output_ids: list[int] = field(default_factory=list)
     num_tiers_asked: int = 0  # lower tiers (disk, then shared) asked so far, each once (engine/disk_loads.py)

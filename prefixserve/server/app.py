@@ -7,7 +7,6 @@ and ``ledger.close()``. No module-level state: everything lives in the closure o
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -56,11 +55,6 @@ def create_app(
             logger.warning("no API keys configured: the server is OPEN, every caller is one tenant")
         else:
             logger.info("serving %d tenant(s)", keys.num_tenants)
-        start = getattr(engine, "start", None)
-        if start is not None:
-            result = start()
-            if inspect.isawaitable(result):
-                await result
         try:
             yield
         finally:

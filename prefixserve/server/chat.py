@@ -52,7 +52,7 @@ def prepare_chat(
     check_fits(len(prompt_ids), engine.max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = params.sampling_params(body, max_tokens, default_max_tokens, engine.max_model_len, len(prompt_ids),
-                                      params.vocab_size(engine), num_logprobs, constraint)
+                                      engine.vocab_size, num_logprobs, constraint)
     setup = None if tool_list is None else tools.ToolSetup(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)
     shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),

@@ -55,7 +55,7 @@ def prepare_completion(
     num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
     sampling = params.sampling_params(body, body.max_tokens, min(COMPLETION_MAX_TOKENS, default_max_tokens),
                                       engine.max_model_len, max(len(ids) for ids in prompts),
-                                      params.vocab_size(engine), num_logprobs)
+                                      engine.vocab_size, num_logprobs)
     shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
                             fingerprint=engine.health().fingerprint,
                             logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
@@ -108,7 +108,7 @@ def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
             raise bad_request("prompt encodes to no tokens", "prompt")
         return list(ids)
     if isinstance(prompt, list):
-        return params.check_token_ids(prompt, params.vocab_size(engine), "prompt")
+        return params.check_token_ids(prompt, engine.vocab_size, "prompt")
     raise bad_request("prompt must be a string or a list of integer token ids", "prompt")
 
 

@@ -66,14 +66,14 @@ def check_n(value: int | None, param: str = "n") -> int:
     return n
 
 
-def check_logit_bias(value: dict[str, Any] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+def check_logit_bias(value: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """logit_bias: {"token id": bias in [-100, 100]} with ids in the vocabulary."""
     out: list[tuple[int, float]] = []
     for key, bias in (value or {}).items():
         if not key.isascii() or not key.isdigit():
             raise bad_request(f"logit_bias keys must be token ids (got {key[:32]!r})", "logit_bias")
         token_id = int(key)
-        if vocab_size is not None and token_id >= vocab_size:
+        if token_id >= vocab_size:
             raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
@@ -84,7 +84,7 @@ def check_logit_bias(value: dict[str, Any] | None, vocab_size: int | None) -> tu
 
 def sampling_params(
     body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int, prompt_len: int,
-    vocab_size: int | None = None, num_logprobs: int | None = None, constraint: Constraint | None = None,
+    vocab_size: int, num_logprobs: int | None = None, constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a prompt of `prompt_len` tokens (the longest, for several).
 
@@ -155,14 +155,14 @@ def check_stop(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def check_token_ids(ids: list[Any], vocab_size: int | None, param: str) -> list[int]:
+def check_token_ids(ids: list[Any], vocab_size: int, param: str) -> list[int]:
     """A list of token ids: ints (not bools) in [0, vocab_size)."""
     if not ids:
         raise bad_request(f"{param} must not be empty", param)
     for i in ids:
         if not isinstance(i, int) or isinstance(i, bool):
             raise bad_request(f"{param} must be a string or a list of integer token ids", param)
-        if i < 0 or (vocab_size is not None and i >= vocab_size):
+        if i < 0 or i >= vocab_size:
             raise bad_request(f"token id {i} is outside the vocabulary", param)
     return list(ids)
 
@@ -174,13 +174,3 @@ def check_text(text: str, param: str) -> str:
     except UnicodeEncodeError:
         raise bad_request(f"{param} contains invalid unicode", param) from None
     return text
-
-
-def vocab_size(engine: Any) -> int | None:
-    """The vocabulary size if the engine (or its tokenizer) tells us: an optional attribute beyond
-    EngineClient. Without it, out-of-range ids are left to the engine (InvalidRequest -> 400)."""
-    for owner in (engine, getattr(engine, "tokenizer", None)):
-        size = getattr(owner, "vocab_size", None)
-        if isinstance(size, int) and size > 0:
-            return size
-    return None

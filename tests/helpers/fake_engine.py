@@ -61,6 +61,7 @@ class FakeEngine:
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = self.tokenizer.vocab_size
         self.token_delay = token_delay
         self.requests: list[Request] = []
         self.events: dict[str, list[str]] = {}
