@@ -114,6 +114,23 @@ def test_disk_tier_serves_a_hybrid_file_only_at_its_length_or_resume_points(tmp_
     other.close()
 
 
+def test_redis_uses_a_marked_hybrid_entry_only_where_a_resume_point_serves_enough() -> None:
+    from tests.helpers.redis_proc import RedisServer
+
+    snap, key = synthetic(), tuple(range(1000, 1200))
+    with RedisServer() as server:
+        tier = SharedTier(SharedTierConfig(server.url, b"hybrid-test-secret-0123"), "fp", __version__, SnapshotCodec())
+        assert tier.offer(NS, key, snap) and tier.wait_idle(30)
+        # sharing 100 tokens: the marker at 64 names the entry, which serves 64 (its checkpoint), not 100
+        assert not isinstance(tier.find(NS, key[:100] + (7,) * 50, 100).result(30), Loaded)  # type: ignore[union-attr]
+        got = tier.find(NS, key[:100] + (7,) * 50, 40).result(30)  # type: ignore[union-attr]
+        assert isinstance(got, Loaded) and got.token_ids == key and isinstance(got.state, HybridSnapshot)
+        assert_same(snap, got.state)
+        got = tier.find(NS, key[:150] + (7,) * 50, 100).result(30)  # type: ignore[union-attr]
+        assert isinstance(got, Loaded) and usable_len(got.state, 150, 200) == 128
+        tier.close()
+
+
 # ---- engines over a tiny hybrid model ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
