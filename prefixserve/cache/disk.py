@@ -34,6 +34,7 @@ from prefixserve.cache.tier import (
     disk_ns,
     ns_digest,
     selects,
+    snapshot_kind,
 )
 from prefixserve.config import CacheConfig
 from prefixserve.types import FlushScope, Namespace
@@ -50,7 +51,8 @@ class DiskRef:
     num_tokens: int
     has_logits: bool
     nbytes: int
-    truncatable: bool = True
+    truncatable: bool = True  # False: a hybrid file, serving its length and resume points only
+    resume_points: tuple[int, ...] = ()
 
     def storage(self) -> list[tuple[Hashable, int]]:
         return [(self.path, self.nbytes)]
@@ -172,8 +174,9 @@ class DiskTier(WriteBehind):
 
     def _write(self, ns: Namespace, dns: Namespace, key: tuple[int, ...], state: Any, epoch: int, path: str) -> None:
         meta, payload = self._codec.encode(state)
+        kind = snapshot_kind(state)
         header = FileHeader(self.runtime, self.fingerprint, dns.model_id, dns.tenant_id, dns.cache_salt, key,
-                            bool(state.has_logits), meta, len(payload))
+                            bool(state.has_logits), meta, len(payload), *kind)
         data = encode_file(header, payload)
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
@@ -186,7 +189,7 @@ class DiskTier(WriteBehind):
             if any(e > epoch and scope.selects(ns) for e, scope in self._flushes):
                 stale = [path]  # flushed while being written
             else:
-                result = self._index.insert(dns, key, DiskRef(path, len(key), bool(state.has_logits), len(data)))
+                result = self._index.insert(dns, key, DiskRef(path, len(key), bool(state.has_logits), len(data), *kind))
                 stale = [_path_of(e) for e in result.evicted]
                 if not result.stored:  # refused; a kept entry of this key lost its file to the rename
                     stale.append(path)
@@ -209,6 +212,8 @@ class DiskTier(WriteBehind):
             if header.token_ids != entry.token_ids or header.fingerprint != self.fingerprint:
                 raise CorruptFile("the file does not hold the entry it was indexed as")
             state = self._codec.decode(header.meta, payload, len(header.token_ids))
+            if snapshot_kind(state) != (ref.truncatable, ref.resume_points):  # never serve it at another length
+                raise CorruptFile("the file's state is not the kind it was indexed as")
         except (CorruptFile, OSError, ValueError, RuntimeError) as e:
             corrupt = not isinstance(e, FileNotFoundError)
             if corrupt:
@@ -256,7 +261,8 @@ class DiskTier(WriteBehind):
                 found.append((os.path.getmtime(path), path, size, header))
         for _, path, size, h in sorted(found):  # oldest first: the LRU order survives the restart
             dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
-            result = self._index.insert(dns, h.token_ids, DiskRef(path, len(h.token_ids), h.has_logits, size))
+            ref = DiskRef(path, len(h.token_ids), h.has_logits, size, h.truncatable, h.points)
+            result = self._index.insert(dns, h.token_ids, ref)
             _remove([_path_of(e) for e in result.evicted] + ([] if result.stored else [path]))
         log.info("disk tier %s: %d entries, %d bytes", self.directory, self._index.num_entries, self._index.num_bytes)
 

@@ -3,7 +3,8 @@
     offset 0        MAGIC (8 bytes)
     8               header length H (u32, little endian)
     12              header: UTF-8 JSON object (format, runtime, fingerprint, digests, token ids,
-                    has_logits, the codec's meta, payload_len)
+                    has_logits, the codec's meta, payload_len, truncatable and resume points;
+                    the last two may be absent: a truncatable KV state)
     12 + H          payload (payload_len bytes, the codec's); H is padded with blanks so that 12 + H
                     is a multiple of 64
     end - 32        BLAKE2b-256 of every byte before it
@@ -42,17 +43,22 @@ class FileHeader:
     has_logits: bool
     meta: dict[str, Any]  # the codec's: shapes, dtype
     payload_len: int
+    truncatable: bool = True  # False: a snapshot-only (hybrid) state, serving only its length and `points`
+    points: tuple[int, ...] = ()  # its resume points (CachedState.resume_points); () when truncatable
 
 
 def encode_file(header: FileHeader, payload: bytes) -> bytes:
     """The whole file's bytes. Pure."""
     assert header.payload_len == len(payload)
-    head = json.dumps({
+    fields: dict[str, Any] = {
         "format": FORMAT, "runtime": header.runtime, "fingerprint": header.fingerprint,
         "model": header.model_digest, "tenant": header.tenant_digest, "salt": header.salt_digest,
         "token_ids": list(header.token_ids), "has_logits": header.has_logits, "meta": header.meta,
         "payload_len": header.payload_len,
-    }, separators=(",", ":")).encode("utf-8")
+    }
+    if not header.truncatable:  # a KV state's header stays as it was
+        fields.update(truncatable=False, points=list(header.points))
+    head = json.dumps(fields, separators=(",", ":")).encode("utf-8")
     head += b" " * (-(12 + len(head)) % 64)  # JSON allows trailing blanks: the payload starts 64-aligned
     body = MAGIC + struct.pack("<I", len(head)) + head + payload
     return body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
@@ -101,6 +107,7 @@ def _parse_header(raw: bytes) -> FileHeader:
             tenant_digest=str(d["tenant"]), salt_digest=str(d["salt"]),
             token_ids=tuple(int(t) for t in d["token_ids"]), has_logits=bool(d["has_logits"]),
             meta=dict(d["meta"]), payload_len=int(d["payload_len"]),
+            truncatable=bool(d.get("truncatable", True)), points=tuple(int(p) for p in d.get("points", ())),
         )
     except CorruptFile:
         raise
@@ -108,4 +115,7 @@ def _parse_header(raw: bytes) -> FileHeader:
         raise CorruptFile(f"unreadable header: {type(e).__name__}") from None
     if not header.token_ids or header.payload_len < 0:
         raise CorruptFile("empty key or negative payload")
+    p = header.points
+    if p and (header.truncatable or list(p) != sorted(set(p)) or p[0] <= 0 or p[-1] >= len(header.token_ids)):
+        raise CorruptFile("resume points out of order or range")
     return header

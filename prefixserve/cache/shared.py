@@ -21,7 +21,16 @@ from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, 
 from prefixserve.cache.entry import FlushResult
 from prefixserve.cache.shared_keys import MAC_BYTES, add, lcp, mac, ns_prefix, scope_pattern, token_digest
 from prefixserve.cache.shared_link import Link
-from prefixserve.cache.tier import Codec, Loaded, LoadFailed, TierCounters, WriteBehind, disk_ns
+from prefixserve.cache.tier import (
+    Codec,
+    Loaded,
+    LoadFailed,
+    TierCounters,
+    WriteBehind,
+    disk_ns,
+    snapshot_kind,
+    usable_len,
+)
 from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope, Namespace
 
@@ -175,8 +184,9 @@ class SharedTier(WriteBehind):
             with self._lock:
                 self._c.num_hits += 1
             result = self._verify(ns, key, token_ids, value)
-            if isinstance(result, Loaded) and lcp(result.token_ids, prompt) < min_tokens:
-                result = LoadFailed("the marked entry shares too little of the prompt")
+            if isinstance(result, Loaded) and usable_len(
+                    result.state, lcp(result.token_ids, prompt), len(prompt)) < min_tokens:
+                result = LoadFailed("the entry serves too little of the prompt")  # shares too little, or hybrid
             if isinstance(result, LoadFailed):
                 with self._lock:
                     self._c.num_load_failures += 1
@@ -206,6 +216,8 @@ class SharedTier(WriteBehind):
                     token_ids is not None and header.token_ids != token_ids):
                 raise CorruptFile("the value does not hold the entry it was found under")
             state = self._codec.decode(header.meta, payload, len(header.token_ids))
+            if snapshot_kind(state) != (header.truncatable, header.points):
+                raise CorruptFile("the value's state is not the kind its header names")
         except (CorruptFile, ValueError, RuntimeError) as e:
             with self._lock:
                 self._c.num_corrupt_files += 1
@@ -247,7 +259,7 @@ class SharedTier(WriteBehind):
         dns = disk_ns(ns)
         meta, payload = self._codec.encode(state)
         header = FileHeader(self.runtime, self.fingerprint, dns.model_id, dns.tenant_id, dns.cache_salt, token_ids,
-                            bool(state.has_logits), meta, len(payload))
+                            bool(state.has_logits), meta, len(payload), *snapshot_kind(state))
         value = self.encode(key, header, payload)
 
         def send() -> bool:

@@ -53,6 +53,25 @@ class TierCounters:
     load_seconds_max: float = 0.0
 
 
+def usable_len(state: Any, common: int, prompt_len: int) -> int:
+    """How many tokens of a prompt (`prompt_len` tokens, sharing `common` with the key of `state`, a
+    CachedState) a lower tier's entry may serve: `common` if truncatable; else the longest of its
+    own length and its resume points within `common` (its own length equal to the prompt's only with
+    logits), 0 if none (snapshot-only semantics, docs/hybrid.md)."""
+    if getattr(state, "truncatable", True):  # a codec's state without it is a KV state
+        return common
+    ends = [*getattr(state, "resume_points", ()), state.num_tokens]
+    return max((n for n in ends if n <= common and (n < prompt_len or state.has_logits)), default=0)
+
+
+def snapshot_kind(state: Any) -> tuple[bool, tuple[int, ...]]:
+    """(truncatable, resume points) of a codec's state, as a file header and the disk index keep them
+    (a state without `truncatable` is a KV state)."""
+    if getattr(state, "truncatable", True):
+        return True, ()
+    return False, tuple(getattr(state, "resume_points", ()))
+
+
 def digest(kind: str, value: str) -> str:
     """A namespace component's name on disk: never the tenant id or salt itself."""
     return hashlib.sha256(f"prefixserve:{kind}\0{value}".encode()).hexdigest()[:32]

@@ -73,7 +73,7 @@ def store(core: EngineCore, ns: Namespace, key: tuple[int, ...], state: SessionS
     """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk and Redis)."""
     # piece edges at the cached entries on this key's path: their pieces are shared, not copied
     snap = core.pieces.snapshot(state, key, ns, core.cache.entry_lengths(ns, key))
-    if core.cache.insert(ns, key, snap).stored and snap.truncatable:  # no hybrid files or values yet
+    if core.cache.insert(ns, key, snap).stored:  # hybrid snapshots too: the codec carries their recurrent part
         for tier in (core.disk, core.shared):  # write-through, on each tier's writer thread
             if tier is not None:
                 tier.offer(ns, key, snap)

@@ -1,6 +1,7 @@
-"""A cached state as bytes, for the lower cache tiers (prefixserve/cache/disk.py): the raw bits of
-each KV piece and of the logits, with the shapes and dtype in `meta`. Decoding copies nothing:
-the tensors view the loaded buffer. Never pickles."""
+"""A cached state as bytes, for the lower cache tiers (prefixserve/cache/disk.py, cache/shared.py):
+the raw bits of each KV piece and of the logits, with the shapes and dtype in `meta`; a hybrid
+snapshot (runner/hybrid_state.py) adds its recurrent state and checkpoints after them. KV decoding
+copies nothing: the tensors view the loaded buffer. Never pickles. See docs/cache.md, docs/hybrid.md."""
 
 from __future__ import annotations
 
@@ -8,16 +9,26 @@ from typing import Any
 
 import torch
 
+from prefixserve.models.hybrid import RecurrentState
+from prefixserve.runner.hybrid_state import HybridSnapshot
 from prefixserve.runner.state import KVPiece, KVSnapshot
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+HYBRID = "hybrid"  # meta["kind"] of a hybrid snapshot; a KV snapshot's meta has no "kind"
 
 
 class SnapshotCodec:
-    """Implements cache.tier.Codec for KVSnapshot."""
+    """Implements cache.tier.Codec for KVSnapshot and HybridSnapshot."""
 
-    def encode(self, state: KVSnapshot) -> tuple[dict[str, Any], bytes]:
+    def encode(self, state: KVSnapshot | HybridSnapshot) -> tuple[dict[str, Any], bytes]:
         """(meta, payload). Runs on the tier's writer thread: reads the immutable pieces only."""
+        if isinstance(state, HybridSnapshot):
+            meta, payload = self.encode(state.kv)
+            recs = [state.recurrent, *state.checkpoints.values()]
+            tensors = [t for r in recs for t in (r.conv, r.cell, r.delta)]
+            meta.update(kind=HYBRID, points=list(state.checkpoints),
+                        tensors=[[str(t.dtype), list(t.shape)] for t in tensors])
+            return meta, payload + b"".join(_raw(t) for t in tensors)
         kv0 = state.pieces[0].kv
         meta = {
             "dtype": str(kv0.dtype),
@@ -30,31 +41,70 @@ class SnapshotCodec:
             parts.append(_raw(state.logits.float()))
         return meta, b"".join(parts)
 
-    def decode(self, meta: dict[str, Any], payload: memoryview, num_tokens: int) -> KVSnapshot:
+    def decode(self, meta: dict[str, Any], payload: memoryview, num_tokens: int) -> KVSnapshot | HybridSnapshot:
         """The snapshot back, its pieces private (the engine shares them again when it re-inserts).
         Raises ValueError when meta and payload disagree."""
-        dtype = _DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ValueError(f"unknown dtype {meta['dtype']!r}")
-        layers, two, heads, head_dim = (int(x) for x in meta["shape"])
-        size = torch.empty((), dtype=dtype).element_size()
+        kind = meta.get("kind")
+        if kind not in (None, HYBRID):
+            raise ValueError(f"unknown snapshot kind {kind!r}")
         buf: bytearray | memoryview = payload
         if payload.readonly or torch.frombuffer(payload, dtype=torch.uint8, count=1).data_ptr() % 64:
             buf = bytearray(payload)  # torch.frombuffer wants writable, and the kernels aligned, memory
-        offset = 0
-        pieces = []
-        for start, end in meta["pieces"]:
-            n = layers * two * heads * (end - start) * head_dim
-            kv = torch.frombuffer(buf, dtype=dtype, count=n, offset=offset) if n else torch.empty(0, dtype=dtype)
-            pieces.append(KVPiece(start, end, ("loaded", id(buf), start), kv.view(layers, two, heads, end - start, head_dim)))
-            offset += n * size
-        logits = None
-        if meta["logits"]:
-            logits = torch.frombuffer(buf, dtype=torch.float32, count=int(meta["logits"]), offset=offset)
-            offset += 4 * int(meta["logits"])
-        if offset != memoryview(buf).nbytes or not pieces or pieces[-1].end != num_tokens:
+        kvs, offset = _decode_kv(meta, buf)
+        if kvs.num_tokens != num_tokens:
             raise ValueError("payload does not match its meta")
-        return KVSnapshot.from_pieces(pieces, logits)
+        if kind is None:
+            if offset != memoryview(buf).nbytes:
+                raise ValueError("payload does not match its meta")
+            return kvs
+        tensors = []
+        for dtype_name, shape in meta["tensors"]:
+            t, offset = _tensor(buf, offset, dtype_name, shape)
+            tensors.append(t.clone())  # own memory: the storage keys (cache budget) and the buffer's life
+        points = [int(p) for p in meta["points"]]
+        if offset != memoryview(buf).nbytes or len(tensors) != 3 * (1 + len(points)):
+            raise ValueError("payload does not match its meta")
+        if points != sorted(set(points)) or (points and (points[0] <= 0 or points[-1] >= num_tokens)):
+            raise ValueError(f"checkpoint positions {points} out of order or range")
+        recs = [RecurrentState(*tensors[i : i + 3]) for i in range(0, len(tensors), 3)]
+        return HybridSnapshot.from_kv(kvs, recs[0], dict(zip(points, recs[1:], strict=True)))
+
+
+def _decode_kv(meta: dict[str, Any], buf: bytearray | memoryview) -> tuple[KVSnapshot, int]:
+    """The KV snapshot at the start of `buf` and the offset after it (its logits included)."""
+    dtype = _DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise ValueError(f"unknown dtype {meta['dtype']!r}")
+    layers, two, heads, head_dim = (int(x) for x in meta["shape"])
+    size = torch.empty((), dtype=dtype).element_size()
+    offset = 0
+    pieces = []
+    for start, end in meta["pieces"]:
+        n = layers * two * heads * (end - start) * head_dim
+        kv = torch.frombuffer(buf, dtype=dtype, count=n, offset=offset) if n else torch.empty(0, dtype=dtype)
+        pieces.append(KVPiece(start, end, ("loaded", id(buf), start), kv.view(layers, two, heads, end - start, head_dim)))
+        offset += n * size
+    logits = None
+    if meta["logits"]:
+        logits = torch.frombuffer(buf, dtype=torch.float32, count=int(meta["logits"]), offset=offset)
+        offset += 4 * int(meta["logits"])
+    if not pieces or offset > memoryview(buf).nbytes:
+        raise ValueError("payload does not match its meta")
+    return KVSnapshot.from_pieces(pieces, logits), offset
+
+
+def _tensor(buf: bytearray | memoryview, offset: int, dtype_name: str, shape: list[int]) -> tuple[torch.Tensor, int]:
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ValueError(f"unknown dtype {dtype_name!r}")
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if n < 0 or offset + nbytes > memoryview(buf).nbytes:
+        raise ValueError("payload does not match its meta")
+    t = torch.frombuffer(buf, dtype=dtype, count=n, offset=offset) if n else torch.empty(0, dtype=dtype)
+    return t.view(*(int(d) for d in shape)), offset + nbytes
 
 
 def _raw(t: torch.Tensor) -> bytes:

@@ -141,6 +141,21 @@ class HybridSnapshot:
         return tuple(sorted(self._points))
 
     @property
+    def recurrent(self) -> RecurrentState:
+        """The compact recurrent state at `num_tokens` (read-only; runner/codec.py)."""
+        return self._rec
+
+    @property
+    def checkpoints(self) -> dict[int, RecurrentState]:
+        """A new dict of the compact recurrent checkpoints by position, ascending (read-only tensors)."""
+        return dict(sorted(self._points.items()))
+
+    def with_kv(self, kvs: KVSnapshot) -> HybridSnapshot:
+        """The same recurrent part over other pieces of the same KV (runner/pieces.py: adopt)."""
+        assert kvs.num_tokens == self.num_tokens
+        return HybridSnapshot.from_kv(kvs, self._rec, self._points)
+
+    @property
     def checkpoint_nbytes(self) -> int:
         """Bytes of the recurrent checkpoints (of `nbytes`; for the bench and docs/hybrid.md)."""
         return sum(r.nbytes for r in self._points.values())

@@ -18,9 +18,11 @@ import logging
 import weakref
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 
+from prefixserve.runner.hybrid_state import HybridSnapshot
 from prefixserve.runner.state import KVPiece, KVSnapshot, SessionState
 
 log = logging.getLogger("prefixserve.runner")
@@ -28,6 +30,7 @@ log = logging.getLogger("prefixserve.runner")
 PIECE_TOKENS = 64  # a multiple of the attention BLOCK (32); see docs/cache.md for the measurement
 
 _private = itertools.count()
+S = TypeVar("S", KVSnapshot, HybridSnapshot)
 
 
 class PieceStore:
@@ -62,10 +65,13 @@ class PieceStore:
             return snapshot_of(KVSnapshot.from_pieces(pieces, logits))  # type: ignore[no-any-return,misc]
         return KVSnapshot.from_pieces(pieces, logits)
 
-    def adopt(self, snap: KVSnapshot, token_ids: Sequence[int], scope: Hashable) -> KVSnapshot:
+    def adopt(self, snap: S, token_ids: Sequence[int], scope: Hashable) -> S:
         """A snapshot with `snap`'s pieces (e.g. read from disk, viewing a file buffer) turned into
-        store pieces: shared where live, else copied into their own memory. `token_ids` are the
-        exact tokens `snap` was computed from. Does not mutate `snap`."""
+        store pieces: shared where live, else copied into their own memory; a hybrid snapshot keeps
+        its recurrent part (the codec gave it its own memory). `token_ids` are the exact tokens
+        `snap` was computed from. Does not mutate `snap`."""
+        if isinstance(snap, HybridSnapshot):
+            return snap.with_kv(self.adopt(snap.kv, token_ids, scope))  # type: ignore[return-value]
         assert len(token_ids) == snap.num_tokens
         ends = [p.end for p in snap.pieces]
         pieces = []
