@@ -49,7 +49,7 @@ def recover(core: EngineCore, message: str) -> None:
             core._finish(s, FinishReason.ERROR, error=message)
             continue
         if token is not None:
-            core._pending[s.key] = token  # not fed: feed it again
+            s.pending_token = token  # not fed: feed it again
         if s.state is not None:  # a partial forward may have written past the valid keys
             s.state.truncate(s.state.num_tokens, force_zero=True)
     if len(involved) == 1:

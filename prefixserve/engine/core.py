@@ -1,4 +1,5 @@
-"""The synchronous engine: scheduler step, cache lookups and inserts, sampling, stop handling.
+"""The synchronous engine: admission and the scheduler step, cache lookups and restores. Sampling,
+stops and finishing are engine/outputs.py; cache offers engine/inserts.py; recovery engine/control.py.
 
 Driven by exactly one thread (see async_engine.py). Every cache and runner call happens here.
 """
@@ -6,7 +7,6 @@ Driven by exactly one thread (see async_engine.py). Every cache and runner call 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +15,7 @@ from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
 from prefixserve.cache.shared import SharedTier
 from prefixserve.config import EngineConfig
-from prefixserve.engine import control, inserts
-from prefixserve.engine.choices import fork_choices
+from prefixserve.engine import control, inserts, outputs
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.grammar import GrammarCompiler
@@ -26,10 +25,7 @@ from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed
 from prefixserve.runner import (
     ModelRunner,
     StepItem,
-    adjust_logits,
     make_generator,
-    sample,
-    token_logprob,
 )
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import (
@@ -82,7 +78,6 @@ class EngineCore:
         self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
-        self._pending: dict[tuple[str, int], int] = {}  # Session.key -> sampled token not yet fed to the model
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
         self._last_step: list[tuple[Session, int | None]] = []  # (session, its fed decode token) of the last step
@@ -172,8 +167,8 @@ class EngineCore:
         active = self.suspects[:1] or self.running  # a suspect runs alone (engine/control.py recover)
         self._last_step = []
         for s in active:
-            if s.phase is Phase.DECODE and s.key in self._pending:
-                token = self._pending.pop(s.key)
+            if s.phase is Phase.DECODE and s.pending_token is not None:
+                token, s.pending_token = s.pending_token, None
                 assert s.state is not None  # restored above, if the hit's copy was pending
                 items.append(StepItem(s.state, [token], decode=True))
                 decoding.append(s)
@@ -266,83 +261,13 @@ class EngineCore:
             s.pending_restore = None
             self.cache.unpin(entry)
 
-    # ---- decode: sampling, stopping, finishing ------------------------------------------------
+    # ---- decode: sampling, stopping, finishing (engine/outputs.py) -------------------------------
 
     def _sample(self, s: Session) -> None:
-        if s.request.num_choices > 1 and not s.choices:  # n > 1: fork the others (engine/choices.py)
-            for child in fork_choices(s, self.tokenizer, self.cache):
-                self.running.append(child)
-                self._sample(child)
-        if s.state is not None:
-            logits = s.state.logits
-        else:  # a full hit whose copy is still pending
-            assert s.pending_restore is not None
-            logits = s.pending_restore.state.logits
-        assert logits is not None
-        sp = s.request.sampling
-        allowed = None if s.matcher is None else s.matcher.allowed()
-        if allowed is not None and not bool(allowed.any()):  # the grammar admits nothing more
-            self._finish(s, FinishReason.STOP)
-            return
-        try:
-            token = sample(adjust_logits(logits, sp, s.output_ids, allowed), sp, s.generator)
-        except (RuntimeError, ValueError) as e:  # one request's sampling must never fail the batch
-            log.warning("sampling failed for %s: %s", s.request.request_id, e)
-            self._finish(s, FinishReason.ERROR)
-            return
-        if s.matcher is not None:
-            s.matcher.consume(token)
-        if s.first_token_at is None:
-            s.first_token_at = time.monotonic()
-        s.output_ids.append(token)
-        self.counters.num_completion_tokens += 1
-        reason: FinishReason | None = None
-        text = ""
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if (token in self.tokenizer.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            reason = FinishReason.STOP  # a stop token is not output: no text, no logprob entry
-        else:
-            text = s.detok.add(token)
-            if sp.num_logprobs is not None:
-                logprobs = (token_logprob(logits, token, sp.num_logprobs),)
-            if s.detok.stopped or (s.matcher is not None and s.matcher.done):
-                reason = FinishReason.STOP
-        if reason is None and (
-            len(s.output_ids) >= sp.max_tokens or s.prompt_len + len(s.output_ids) >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
-        if reason is None:
-            self._pending[s.key] = token
-            self.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage(), index=s.index,
-                                                  logprobs=logprobs))
-        else:
-            self._finish(s, reason, text, (token,), logprobs)
+        outputs.sample_next(self, s)
 
     def _finish(
         self, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None,
     ) -> None:
-        if s.phase is Phase.FINISHED:
-            return
-        usage = s.usage()  # before the phase changes: an unfinished prompt bills what was processed
-        s.phase = Phase.FINISHED
-        s.finish_reason = reason
-        self._pending.pop(s.key, None)
-        if s in self.running:
-            self.running.remove(s)
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.counters.num_finished += 1
-            inserts.flush_inserts(self, s)
-            inserts.offer_turn(self, s)
-        else:
-            self.counters.num_aborted += 1
-        if s.pending_restore is not None:
-            self.cache.unpin(s.pending_restore)
-            s.pending_restore = None
-        if s.reserved_bytes:
-            self._reserved_bytes -= s.reserved_bytes
-            s.reserved_bytes = 0
-        text += s.detok.flush()
-        self.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage,
-                                              index=s.index, logprobs=logprobs, error=error))
-        s.state = None  # free the session's KV now
+        outputs.finish(self, s, reason, text, token_ids, logprobs, error)

@@ -62,6 +62,7 @@ class Session:
     pending_restore: Entry[Snapshot] | None = None  # a pinned cache entry to copy from before the next forward
     to_insert: list[int] = field(default_factory=list)  # lengths to snapshot into the cache after the first token
     output_ids: list[int] = field(default_factory=list)
+    pending_token: int | None = None  # sampled and emitted, fed to the model by the next step
     num_tiers_asked: int = 0  # lower tiers (disk, then shared) asked so far, each once (engine/disk_loads.py)
     cacheable: bool = True  # False once its namespace was flushed: it must not re-seed the cache
     finish_reason: FinishReason | None = None

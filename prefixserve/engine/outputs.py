@@ -1,0 +1,106 @@
+"""Sampling, stops and finishing: what happens to a session's logits once a step has produced them.
+
+Engine-thread only, like the rest of the engine (engine/core.py drives it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prefixserve.engine import inserts
+from prefixserve.engine.choices import fork_choices
+from prefixserve.engine.session import Phase, Session
+from prefixserve.runner import adjust_logits, sample, token_logprob
+from prefixserve.types import Delta, FinishReason, TokenLogprob
+
+if TYPE_CHECKING:
+    from prefixserve.engine.core import EngineCore
+
+log = logging.getLogger("prefixserve.engine")
+
+
+def sample_next(core: EngineCore, s: Session) -> None:
+    """Sample the session's next token from its last logits; emit it, or finish the session (EOS,
+    a stop string or token, the grammar's end, max_tokens, the context). The token is fed to the
+    model by the next step (`Session.pending_token`)."""
+    if s.request.num_choices > 1 and not s.choices:  # n > 1: fork the others (engine/choices.py)
+        for child in fork_choices(s, core.tokenizer, core.cache):
+            core.running.append(child)
+            sample_next(core, child)
+    if s.state is not None:
+        logits = s.state.logits
+    else:  # a full hit whose copy is still pending
+        assert s.pending_restore is not None
+        logits = s.pending_restore.state.logits
+    assert logits is not None
+    sp = s.request.sampling
+    allowed = None if s.matcher is None else s.matcher.allowed()
+    if allowed is not None and not bool(allowed.any()):  # the grammar admits nothing more
+        finish(core, s, FinishReason.STOP)
+        return
+    try:
+        token = sample(adjust_logits(logits, sp, s.output_ids, allowed), sp, s.generator)
+    except (RuntimeError, ValueError) as e:  # one request's sampling must never fail the batch
+        log.warning("sampling failed for %s: %s", s.request.request_id, e)
+        finish(core, s, FinishReason.ERROR)
+        return
+    if s.matcher is not None:
+        s.matcher.consume(token)
+    if s.first_token_at is None:
+        s.first_token_at = time.monotonic()
+    s.output_ids.append(token)
+    core.counters.num_completion_tokens += 1
+    reason: FinishReason | None = None
+    text = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    if (token in core.tokenizer.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+        reason = FinishReason.STOP  # a stop token is not output: no text, no logprob entry
+    else:
+        text = s.detok.add(token)
+        if sp.num_logprobs is not None:
+            logprobs = (token_logprob(logits, token, sp.num_logprobs),)
+        if s.detok.stopped or (s.matcher is not None and s.matcher.done):
+            reason = FinishReason.STOP
+    if reason is None and (
+        len(s.output_ids) >= sp.max_tokens or s.prompt_len + len(s.output_ids) >= core.max_model_len
+    ):
+        reason = FinishReason.LENGTH
+    if reason is None:
+        s.pending_token = token
+        core.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage(), index=s.index,
+                                              logprobs=logprobs))
+    else:
+        finish(core, s, reason, text, (token,), logprobs)
+
+def finish(
+    core: EngineCore, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (),
+    logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None,
+) -> None:
+    """End the session with `reason`: its usage (what was computed), the cache offers of a normal
+    finish, its KV freed, the final Delta emitted."""
+    if s.phase is Phase.FINISHED:
+        return
+    usage = s.usage()  # before the phase changes: an unfinished prompt bills what was processed
+    s.phase = Phase.FINISHED
+    s.finish_reason = reason
+    s.pending_token = None
+    if s in core.running:
+        core.running.remove(s)
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        core.counters.num_finished += 1
+        inserts.flush_inserts(core, s)
+        inserts.offer_turn(core, s)
+    else:
+        core.counters.num_aborted += 1
+    if s.pending_restore is not None:
+        core.cache.unpin(s.pending_restore)
+        s.pending_restore = None
+    if s.reserved_bytes:
+        core._reserved_bytes -= s.reserved_bytes
+        s.reserved_bytes = 0
+    text += s.detok.flush()
+    core.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage,
+                                          index=s.index, logprobs=logprobs, error=error))
+    s.state = None  # free the session's KV now
