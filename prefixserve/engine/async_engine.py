@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import logging
 import queue
@@ -66,6 +67,9 @@ class AsyncEngine:
         core.emit = self._emit
         self._thread = thread or TorchThread()
         self._thread.run_last(self._run)
+        # a process that exits without shutdown() (a script, a test) must not leave the engine thread
+        # inside a torch op while the interpreter finalises: std::terminate kills the process (rc 134)
+        atexit.register(self._stop_at_exit)
 
     # ---- EngineClient -------------------------------------------------------------------------
 
@@ -201,7 +205,13 @@ class AsyncEngine:
             **({f"cache_{k}": v for k, v in self.core.shared.stats().items()} if self.core.shared is not None else {}),
         }
 
+    def _stop_at_exit(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(10.0)
+
     async def shutdown(self, drain: bool = True) -> None:
+        atexit.unregister(self._stop_at_exit)
         self._accepting = False
         if drain:
             while self._dead is None and self._thread.is_alive() and (self.core.has_work() or not self._inbox.empty()):

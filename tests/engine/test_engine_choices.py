@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,11 +22,13 @@ NS = Namespace("smol", "tenant-a")
 
 
 @pytest.fixture(scope="module")
-def engine() -> AsyncEngine:
+def engine() -> Iterator[AsyncEngine]:
     model, runner = load_embedded("int4")
     core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
                       EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256), 2048, lambda r, d: None)
-    return AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
+    engine = AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
+    yield engine
+    asyncio.run(engine.shutdown())
 
 
 def prompt(engine: AsyncEngine, user: str) -> tuple[int, ...]:
