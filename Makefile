@@ -40,12 +40,12 @@ lint: install
 	$(VENV)/bin/ruff check prefixserve tests
 	$(VENV)/bin/mypy prefixserve
 
-# The peer (llama.cpp's server via llama-cpp-python) gets its own venv, built once (compiles).
+# The peer, llama.cpp's own C++ llama-server, is built once from llama-cpp-python's sdist (compiles).
 # BENCH_ARGS=--quick for a short development run.
 bench: install
-	bash bench/peer.sh .venv-peer
+	bash bench/peer.sh .peer
 	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
-		--peer-python .venv-peer/bin/python --out bench/results $(BENCH_ARGS)
+		--peer-bin .peer/bin/llama-server --out bench/results $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

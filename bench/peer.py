@@ -1,4 +1,4 @@
-"""The peer: llama.cpp's OpenAI server from llama-cpp-python, its command line and thread tuning."""
+"""The peer: llama.cpp's own C++ `llama-server` (bench/peer.sh builds it), its command line and thread tuning."""
 
 from __future__ import annotations
 
@@ -14,31 +14,22 @@ from prompts import DECODE_PROMPT, PromptFactory
 from servers import ServerProcess, free_port
 from tqdm import tqdm
 
-# The machine class has 2 cores; llama.cpp's default is n_threads=1 (decode), n_threads_batch=2.
+# The machine class has 2 cores: -t (decode threads) and -tb (prompt threads) are measured, not guessed.
 THREAD_GRID = ((1, 1), (1, 2), (2, 1), (2, 2))
-# llama-cpp-python's RAM cache budgets only the llama.cpp state (about 23 KB/token here), but each
-# entry also keeps a float32 copy of the logits (49,152 x 4 B = 192 KB/token): with its default
-# 2 GiB budget the peer's RSS reached 12.7 GiB in a quick run. 256 MiB counted is about 2.4 GiB
-# real, comparable to our default 2 GiB cache budget, and still holds every prefix the workloads reuse.
-CACHE_SIZE_BYTES = 256 << 20
+# What users run: parallel slots with continuous batching in one unified KV of 32k tokens, and the RAM
+# prompt cache (its budget in MiB), the setting issue #12 measured against.
+SERVER_ARGS = ("-c", "32768", "-np", "8", "--kv-unified", "--cache-ram", "2048")
 
 MakeCmd = Callable[[int, int, int], list[str]]  # (port, n_threads, n_threads_batch) -> argv
 
 
-def peer_cmd(peer_python: str, gguf: str, api_key: str, extra_args: str = "") -> MakeCmd:
+def peer_cmd(peer_bin: str, gguf: str, api_key: str, extra_args: str = "") -> MakeCmd:
     """A command factory for the peer on `gguf`; `extra_args` are appended (shell-split)."""
 
     def make(port: int, n_threads: int, n_threads_batch: int) -> list[str]:
         return [
-            peer_python, "-m", "llama_cpp.server", "--model", gguf,
-            "--host", "127.0.0.1", "--port", str(port), "--api_key", api_key,
-            "--n_ctx", "4096", "--cache", "true", "--cache_type", "ram",
-            "--cache_size", str(CACHE_SIZE_BYTES),
-            # Its default (true) ends a streaming response as soon as another request arrives:
-            # concurrent clients would be cut short instead of queued.
-            "--interrupt_requests", "false",
-            "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads_batch),
-            *shlex.split(extra_args),
+            peer_bin, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--api-key", api_key,
+            *SERVER_ARGS, "-t", str(n_threads), "-tb", str(n_threads_batch), *shlex.split(extra_args),
         ]  # fmt: skip
 
     return make

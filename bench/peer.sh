@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
-# Creates the peer's venv (llama-cpp-python's OpenAI server, which compiles llama.cpp for this
-# CPU: a few minutes on 2 cores). Reused when it already imports. Usage: bench/peer.sh [VENV]
+# Builds the peer: llama.cpp's own C++ `llama-server`, from the llama.cpp sources that ship inside
+# llama-cpp-python's sdist (vendor/llama.cpp; pip fetches it, nothing else needs the internet).
+# cmake + ninja, a few minutes on 2 cores. Not GGML_NATIVE: a native build died with SIGILL at start-up
+# on AMX machines; the AVX-512 paths are enabled when this CPU has them. Reused when it runs.
+# Usage: bench/peer.sh [DIR]  ->  DIR/bin/llama-server
 set -euo pipefail
-VENV="${1:-.venv-peer}"
-SPEC="${PEER_SPEC:-llama-cpp-python[server]==0.3.36}"
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import llama_cpp.server.app" 2>/dev/null; then
+DIR="${1:-.peer}"
+SPEC="${PEER_SPEC:-llama-cpp-python==0.3.36}"
+BIN="$DIR/bin/llama-server"
+if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
   exit 0
 fi
-echo "building $VENV ($SPEC); this compiles llama.cpp and takes a few minutes" >&2
-test -x "$VENV/bin/python" || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$VENV/bin/python" -m pip install -q "$SPEC"
-"$VENV/bin/python" -c "import llama_cpp.server.app"
+command -v cmake >/dev/null && command -v ninja >/dev/null || {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake ninja-build g++
+}
+mkdir -p "$DIR/src"
+echo "building $BIN from $SPEC's sources; this compiles llama.cpp and takes a few minutes" >&2
+python3 -m pip download -q --no-deps --no-binary :all: "$SPEC" -d "$DIR/src"
+tar xzf "$DIR"/src/llama_cpp_python-*.tar.gz -C "$DIR/src"
+SRC="$(ls -d "$DIR"/src/llama_cpp_python-*/vendor/llama.cpp)"
+FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+grep -qw avx512f /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512=ON"
+grep -qw avx512_bf16 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512_BF16=ON"
+# shellcheck disable=SC2086
+cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release $FLAGS -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(realpath "$DIR")/bin" \
+  -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$(realpath "$DIR")/bin" >/dev/null
+ninja -C "$DIR/build" llama-server >/dev/null
+"$BIN" --version

@@ -70,8 +70,8 @@ def render_readme(rows: list[Row], ours: Raw, peer: Raw, plan: dict[str, Any]) -
             "",
             (
                 f"Chosen: n_threads={tuning['chosen'][0]}, n_threads_batch={tuning['chosen'][1]} "
-                f"(medians of {tuning['num_runs']} runs each). llama-cpp-python's server has no "
-                "parallel slots: concurrent requests queue on one context."
+                f"(medians of {tuning['num_runs']} runs each), as `-t` and `-tb` of llama-server "
+                "(8 parallel slots, continuous batching, unified KV, RAM prompt cache)."
             ),
         ]
     return "\n".join(lines) + "\n"

