@@ -24,7 +24,7 @@ grep -qw avx512f /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512=ON"
 grep -qw avx512_bf16 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512_BF16=ON"
 # shellcheck disable=SC2086
 cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release $FLAGS -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(realpath "$DIR")/bin" \
-  -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$(realpath "$DIR")/bin" >/dev/null
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
 ninja -C "$DIR/build" llama-server >/dev/null
+ln -sfn build/bin "$DIR/bin"  # llama.cpp puts the binary and its shared libraries in build/bin
 "$BIN" --version
