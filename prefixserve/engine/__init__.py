@@ -82,7 +82,10 @@ def _build_core(
         from prefixserve.runner.codec import SnapshotCodec
 
         # one fingerprint for every lower tier: model bytes + the runtime's kernel choices (docs/cache.md)
-        fingerprint = f"{model_identity(loaded.path)}|{loaded.decoder.kernel_fingerprint()}"
+        # and the CPU thread count: nothing shows it never changes a kernel's bits, so replicas whose
+        # counts differ keep apart rather than trust each other's states
+        threads = f"|threads={torch.get_num_threads()}" if device == "cpu" else ""
+        fingerprint = f"{model_identity(loaded.path)}|{loaded.decoder.kernel_fingerprint()}{threads}"
         if cache_config.disk_max_bytes > 0:
             from prefixserve.cache.disk import DiskTier
 
