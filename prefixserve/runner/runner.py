@@ -24,9 +24,10 @@ class StepItem:
 class ModelRunner:
     """Owns the decoder and runs batched steps. Not thread-safe: one engine thread drives it."""
 
-    def __init__(self, decoder: Decoder) -> None:
-        """The torch thread count is the caller's (engine.default_num_threads for the server)."""
+    def __init__(self, decoder: Decoder, num_threads: int | None = None) -> None:
         self.decoder = decoder
+        if num_threads is not None and decoder.device.type == "cpu":
+            torch.set_num_threads(num_threads)
         a = decoder.arch
         self.state_shape = (a.num_layers, 2, a.num_kv_heads, a.head_dim)
 
