@@ -26,6 +26,7 @@ class ModelConfig:
     # token's KV then differs from a prefilled one, so finished turns are not cached); dense = the
     # same weights as prefill; auto = int4 where available
     decode_kernel: str = "auto"
+    cache_dir: str | None = None  # the prepared-model cache (models/prepared.py); None = prepare at every start
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -128,3 +129,12 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
         return os.path.join(environ["XDG_DATA_HOME"], "prefixserve")
     home = environ.get("HOME") or os.path.expanduser("~")
     return os.path.join(home, ".local", "share", "prefixserve")
+
+
+def default_model_cache_dir(environ: Mapping[str, str]) -> str:
+    """The prepared-model cache when no flag names one: $PREFIXSERVE_MODEL_CACHE_DIR, else
+    $XDG_CACHE_HOME/prefixserve/models, else ~/.cache/prefixserve/models (derived data, XDG's cache home)."""
+    if environ.get("PREFIXSERVE_MODEL_CACHE_DIR"):
+        return environ["PREFIXSERVE_MODEL_CACHE_DIR"]
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "prefixserve", "models")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.config import ServerConfig, default_data_dir
+from prefixserve.config import ServerConfig, default_data_dir, default_model_cache_dir
 from prefixserve.ledger.cli import add_usage_args, default_db_path
 
 
@@ -15,6 +15,12 @@ def test_default_data_dir_follows_the_environment() -> None:
     assert default_data_dir({"HOME": "/h"}) == "/h/.local/share/prefixserve"
     assert default_data_dir({"HOME": "/h", "XDG_DATA_HOME": "/x"}) == "/x/prefixserve"
     assert default_data_dir({"HOME": "/h", "XDG_DATA_HOME": "/x", "PREFIXSERVE_DATA_DIR": "/d"}) == "/d"
+
+
+def test_default_model_cache_dir_is_xdg_cache_home() -> None:
+    assert default_model_cache_dir({"HOME": "/h"}) == "/h/.cache/prefixserve/models"
+    assert default_model_cache_dir({"HOME": "/h", "XDG_CACHE_HOME": "/c"}) == "/c/prefixserve/models"
+    assert default_model_cache_dir({"HOME": "/h", "XDG_CACHE_HOME": "/c", "PREFIXSERVE_MODEL_CACHE_DIR": "/m"}) == "/m"
     assert default_data_dir({"HOME": "/h", "XDG_DATA_HOME": ""}) == "/h/.local/share/prefixserve"
 
 

@@ -65,14 +65,15 @@ def _build_core(
     torch.set_num_threads(model_config.num_threads or default_num_threads())
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
-    loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel)
+    loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel,
+                        cache_dir=model_config.cache_dir)
     runner = ModelRunner(loaded.decoder)
     result = self_test(runner)
     if not result.ok and model_config.dtype == "auto" and dtype != torch.float32:
         # --dtype auto takes the fastest mode that is exact here: bf16 failed, so try fp32
         log.warning("self-test (%.1fs): %s; trying fp32", result.seconds, result.detail)
         dtype = torch.float32
-        loaded = load_model(model_config.path, dtype, device, decode_kernel="dense")
+        loaded = load_model(model_config.path, dtype, device, decode_kernel="dense", cache_dir=model_config.cache_dir)
         runner = ModelRunner(loaded.decoder)
         result = self_test(runner)
     (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
@@ -118,18 +119,7 @@ def _build_core(
 
 
 def model_identity(path: str) -> str:
-    """A digest of the model's bytes (a file: all of it; a folder: every file's name, size and
-    mtime), for the disk tier's fingerprint: another model's files are never served."""
-    import hashlib
-    import os
+    """A digest of the model's bytes, for the disk tier's fingerprint: another model's files are never served."""
+    from prefixserve.models.prepared import file_identity
 
-    h = hashlib.blake2b(digest_size=16)
-    if os.path.isdir(path):
-        for name in sorted(os.listdir(path)):
-            st = os.stat(os.path.join(path, name))
-            h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    else:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    return h.hexdigest()
+    return file_identity(path)

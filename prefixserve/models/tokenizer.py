@@ -27,6 +27,11 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(hf_tokenizer)
 
+    @property
+    def extra_eos_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids beyond the tokenizer's own (a folder's generation_config.json)."""
+        return self._extra_eos_ids
+
     def copy(self) -> Tokenizer:
         """An independent tokenizer (its own backend and lock) for another thread."""
         with self._lock:
@@ -68,16 +73,17 @@ def load_tokenizer_gguf(path: str) -> Tokenizer:
     return Tokenizer(tok)
 
 
-def load_tokenizer_folder(folder: str) -> Tokenizer:
+def load_tokenizer_folder(folder: str, extra_eos_ids: Sequence[int] | None = None) -> Tokenizer:
+    """extra_eos_ids: None = from the folder's generation_config.json."""
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(folder)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {type(e).__name__}: {e}") from e
-    extra: list[int] = []
+    extra: list[int] = list(extra_eos_ids or ())
     gen_path = os.path.join(folder, "generation_config.json")
-    if os.path.isfile(gen_path):
+    if extra_eos_ids is None and os.path.isfile(gen_path):
         try:
             with open(gen_path) as f:
                 eos = json.load(f).get("eos_token_id")

@@ -28,6 +28,7 @@ from prefixserve.config import (
     ServerConfig,
     SharedTierConfig,
     default_data_dir,
+    default_model_cache_dir,
 )
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
@@ -80,6 +81,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "default_max_tokens": ("PREFIXSERVE_DEFAULT_MAX_TOKENS", int, DEFAULT_MAX_TOKENS),
     "max_session_bytes": ("PREFIXSERVE_MAX_SESSION_BYTES", parse_bytes, EngineConfig().max_session_bytes),
     "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
+    "model_cache_dir": ("PREFIXSERVE_MODEL_CACHE_DIR", str, None),  # None = models.prepared.default_cache_dir
+    "no_model_cache": ("PREFIXSERVE_NO_MODEL_CACHE", _flag, False),
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
     "pricing": ("PREFIXSERVE_PRICING", str, None),
     "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
@@ -149,6 +152,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
     a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
       "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
+    a("--model-cache-dir", metavar="DIR",
+      help="prepared-model cache: a GGUF's runtime weights and tokenizer, verified by digest, so later starts take "
+           "seconds (PREFIXSERVE_MODEL_CACHE_DIR; default $XDG_CACHE_HOME/prefixserve/models, else "
+           "~/.cache/prefixserve/models)")
+    a("--no-model-cache", action="store_true", default=None,
+      help="prepare the model from its file at every start (PREFIXSERVE_NO_MODEL_CACHE=1)")
     a(
         "--ledger-path",
         metavar="PATH",
@@ -186,6 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
             decode_kernel=s["decode_kernel"],
             max_model_len=s["max_model_len"],
             num_threads=s["num_threads"],
+            cache_dir=None if s["no_model_cache"] else (s["model_cache_dir"] or default_model_cache_dir(env)),
         )
         data_dir = Path(s["data_dir"] or default_data_dir(env))
         cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),

@@ -20,6 +20,7 @@ tail is included in any start-up failure). `__enter__` waits for ``GET /health``
 waits `stop_timeout` (default 60 s) for a graceful exit, then kills; the exit status is kept in
 `srv.returncode` (0 after a clean drain). `srv.terminate()` does the SIGTERM part on its own, for
 tests of shutdown behaviour. Pass `data_dir=` to choose the data directory (e.g. to find the ledger).
+The servers share one prepared-model cache, `TEST_MODEL_CACHE` (unless `env` names another).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TEST_MODEL_CACHE = os.path.join(tempfile.gettempdir(), f"prefixserve-test-model-cache-{os.getuid()}")
 
 
 def free_port() -> int:
@@ -108,6 +110,9 @@ class ServerProcess:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # every test server shares one prepared-model cache (models/prepared.py): the first start of a run
+        # prepares the GGUF (~15 s), later ones load it in ~2 s; entries are keyed by digests, never stale
+        env.setdefault("PREFIXSERVE_MODEL_CACHE_DIR", TEST_MODEL_CACHE)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -1,0 +1,153 @@
+"""The prepared-model cache (models/prepared.py): a cached load gives the same tensors, bit for bit,
+and a tokenizer that behaves the same; a damaged entry is dropped, never used."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixserve.models import load_model, prepared
+from prefixserve.models.decoder import Decoder
+from prefixserve.models.layers import TilePlan
+from prefixserve.models.loader import LoadedModel, embedded_model_path
+from prefixserve.runner import ModelRunner, StepItem
+
+MESSAGES = [
+    [{"role": "system", "content": "You are helpful. Ünïcode ✓ 日本語"}, {"role": "user", "content": "Hi <|im_end|>\n\n  x"}],
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}, {"role": "user", "content": "?"}],
+]
+TEXTS = ["Hello  world\t\n日本", "", " leading space", "<|im_start|>user\nhi<|im_end|>", "emoji 🎉🎉 and \u200b"]
+
+
+def _tensors(d: Decoder) -> list[tuple[str, torch.Tensor]]:
+    out = [("embed", d.embed), ("lm_head", d.lm_head), ("final_norm", d.final_norm)]
+    for i, lw in enumerate(d.layers):
+        for name in ("attn_norm", "qkv", "qkv_bias", "o_proj", "mlp_norm", "gate_up", "down", "q_norm", "k_norm"):
+            t = getattr(lw, name)
+            if t is not None:
+                out.append((f"{i}.{name}", t))
+        for name in ("qkv_q4", "o_q4", "gate_up_q4", "down_q4"):
+            w = getattr(lw, name)
+            for j, (packed, sz) in enumerate(w.parts if w is not None else []):
+                out += [(f"{i}.{name}.{j}.packed", packed), (f"{i}.{name}.{j}.sz", sz)]
+    for j, (packed, sz) in enumerate(d.lm_head_q4.parts if d.lm_head_q4 is not None else []):
+        out += [(f"head_q4.{j}.packed", packed), (f"head_q4.{j}.sz", sz)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("model-cache")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)  # ~360 MB: not left for pytest's kept temp dirs
+
+
+@pytest.fixture(scope="module")
+def fresh_and_cached(cache_dir: Path) -> tuple[LoadedModel, LoadedModel]:
+    """The first load prepares from the GGUF (exactly the uncached path) and stores; the second hits."""
+    fresh = load_model(None, torch.bfloat16, cache_dir=str(cache_dir))
+    assert len(os.listdir(cache_dir)) == 1
+    cached = load_model(None, torch.bfloat16, cache_dir=str(cache_dir))
+    return fresh, cached
+
+
+def test_cached_load_is_bitwise_the_prepared_one(fresh_and_cached: tuple[LoadedModel, LoadedModel]) -> None:
+    fresh, cached = fresh_and_cached
+    assert cached.arch == fresh.arch
+    assert cached.decoder.int4_decode == fresh.decoder.int4_decode
+    assert (cached.decoder.lm_head is cached.decoder.embed) == (fresh.decoder.lm_head is fresh.decoder.embed)
+    a, b = _tensors(fresh.decoder), _tensors(cached.decoder)
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (name, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+    # and it runs: the same logits from the same prompt
+    ids = cached.tokenizer.render_chat(MESSAGES[0])
+    logits = []
+    for m in (fresh, cached):
+        runner = ModelRunner(m.decoder)
+        st = runner.new_state(len(ids) + 1)
+        runner.step([StepItem(st, ids)])
+        runner.step([StepItem(st, [int(torch.argmax(st.logits))], decode=True)])
+        logits.append(st.logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_cached_tokenizer_behaves_the_same(fresh_and_cached: tuple[LoadedModel, LoadedModel]) -> None:
+    fresh, cached = fresh_and_cached
+    assert cached.tokenizer.eos_token_ids == fresh.tokenizer.eos_token_ids
+    assert cached.tokenizer.vocab_size == fresh.tokenizer.vocab_size
+    assert cached.tokenizer.hf.chat_template == fresh.tokenizer.hf.chat_template
+    for text in TEXTS:
+        ids = fresh.tokenizer.encode(text)
+        assert cached.tokenizer.encode(text) == ids
+        assert cached.tokenizer.decode(ids) == fresh.tokenizer.decode(ids)
+    for messages in MESSAGES:
+        assert cached.tokenizer.render_chat(messages) == fresh.tokenizer.render_chat(messages)
+
+
+def _entry(cache_dir: Path) -> Path:
+    (name,) = [n for n in os.listdir(cache_dir) if not n.startswith(".")]
+    return cache_dir / name
+
+
+def _parts() -> dict[str, str]:
+    return prepared.key_parts(prepared.file_identity(embedded_model_path()), torch.bfloat16, "cpu", True)
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "truncate", "manifest"])
+def test_a_damaged_entry_is_dropped_never_used(
+    damage: str, fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fresh, _ = fresh_and_cached
+    parts = _parts()
+    prepared.save(str(tmp_path), parts, fresh.decoder, fresh.tokenizer)
+    entry = _entry(tmp_path)
+    payload = entry / "tensors.pt"
+    if damage == "bit-flip":
+        with open(payload, "r+b") as f:
+            f.seek(payload.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif damage == "truncate":
+        os.truncate(payload, payload.stat().st_size - 4096)
+    else:
+        manifest = json.loads((entry / "manifest.json").read_text())
+        manifest["key"]["dtype"] = "torch.float32"  # an entry claiming to be another one
+        (entry / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="prefixserve.models"):
+        assert prepared.load(str(tmp_path), parts, TilePlan()) is None
+    assert "dropping" in caplog.text
+    assert not entry.exists()
+
+
+def test_key_covers_what_changes_the_bits() -> None:
+    base = _parts()
+    keys = {prepared.entry_key(base)}
+    for change in ({"dtype": "torch.float32"}, {"int4": "False"}, {"model": "0" * 32}, {"torch": "0.0"},
+                   {"cpu_capability": "AVX2"}, {"code": "x"}):
+        keys.add(prepared.entry_key({**base, **change}))
+    assert len(keys) == 7
+    assert prepared.entry_key(dict(reversed(list(base.items())))) == prepared.entry_key(base)
+
+
+def test_entries_are_bounded_least_recent_out(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh, _ = fresh_and_cached
+    monkeypatch.setattr(prepared, "_tensors", lambda decoder: {"w": torch.zeros(4)})  # small entries
+    names = []
+    for i in range(prepared.MAX_ENTRIES + 2):
+        parts = {**_parts(), "model": f"{i:032d}"}
+        prepared.save(str(tmp_path), parts, fresh.decoder, fresh.tokenizer)
+        entry = tmp_path / prepared.entry_key(parts)
+        os.utime(entry / "manifest.json", (1000 + i, 1000 + i))
+        names.append(entry.name)
+    assert sorted(os.listdir(tmp_path)) == sorted(names[-prepared.MAX_ENTRIES:])
