@@ -22,7 +22,6 @@ from prefixserve.models.layers import (
     batched_decode_attention,
     block_attention,
     rms_norm,
-    single_query_attention,
     tiled,
 )
 from prefixserve.models.quant import Int4Weight, int4_linear
@@ -79,7 +78,7 @@ class Decoder:
         self.lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
         self.tiles = tiles  # row tiles of every dense matmul; chosen by the start-up self-test
         self.lm_head_q4: Int4Weight | None = None
-        # set by weights.attach_int4: decode rows run 4-bit matmuls and `single_query_attention`,
+        # set by weights.attach_int4: decode rows run 4-bit matmuls and fused attention (`_int4_decode_layer`),
         # whose bits differ from prefill's (still batch-invariant); the engine re-derives the KV of
         # decoded tokens by prefill before it caches them
         self.int4_decode = False
@@ -161,8 +160,11 @@ class Decoder:
         q = h.new_empty(total, a.num_heads, a.head_dim)
         k = h.new_empty(total, a.num_kv_heads, a.head_dim)
         v = h.new_empty(total, a.num_kv_heads, a.head_dim)
+        tile_groups = [g for g in groups if not g[2]]
         for li, lw in enumerate(self.layers):
-            for g0, gn, q4 in groups:
+            if nd:  # 4-bit decode rows: their own short path (they attend only to their own sessions)
+                h[:nd] = self._int4_decode_layer(li, lw, h[:nd], cos[:nd], sin[:nd], segments[:leading])
+            for g0, gn, q4 in tile_groups:
                 g1 = g0 + gn
                 x = rms_norm(h[g0:g1], lw.attn_norm, a.rms_eps)
                 qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, q4)
@@ -174,8 +176,8 @@ class Decoder:
                     gk = rms_norm(gk, lw.k_norm, a.rms_eps)
                 q[g0:g1] = apply_rope(gq, cos[g0:g1], sin[g0:g1])
                 k[g0:g1] = apply_rope(gk, cos[g0:g1], sin[g0:g1])
-            attn = self._attention(li, q, k, v, segments, total)
-            for g0, gn, q4 in groups:
+            attn = self._attention(li, q, k, v, segments, total, skip=leading if nd else 0)
+            for g0, gn, q4 in tile_groups:
                 g1 = g0 + gn
                 hg = h[g0:g1] + self._linear(attn[g0:g1], lw.o_proj, None, lw.o_q4, q4)
                 x = rms_norm(hg, lw.mlp_norm, a.rms_eps)
@@ -211,26 +213,66 @@ class Decoder:
             return int4_linear(x, q4, bias)
         return tiled(x, self.tiles, lambda t: F.linear(t, dense, bias))
 
-    def _attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], total: int
+    def _int4_decode_layer(
+        self, li: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
     ) -> torch.Tensor:
-        """Write new K/V, then attend. Returns [total, q_size]; padding rows zero.
+        """One layer for the 4-bit decode rows h: [nd, hidden] (one row per segment, in order).
+
+        These rows' KV is never cached (it is re-derived by prefill before a turn is cached), so
+        their arithmetic need not match prefill's, only be row-local: the int4 kernel, torch's fused
+        RMSNorm, one RoPE call for q and k together, and one fused attention call per session (its
+        bits depend on that session's keys only). Fewer, larger ops than the tile path: a decode step
+        is mostly per-op overhead at one row (docs/architecture.md, "Decode")."""
+        a = self.arch
+        n = h.shape[0]
+        x = F.rms_norm(h, (a.hidden_size,), lw.attn_norm, a.rms_eps)
+        qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, True)
+        heads = a.num_heads + a.num_kv_heads
+        if lw.q_norm is not None and lw.k_norm is not None:
+            qk = torch.cat([
+                F.rms_norm(qkv[:, : a.q_size].view(n, a.num_heads, a.head_dim), (a.head_dim,), lw.q_norm, a.rms_eps),
+                F.rms_norm(qkv[:, a.q_size : a.q_size + a.kv_size].view(n, a.num_kv_heads, a.head_dim), (a.head_dim,),
+                           lw.k_norm, a.rms_eps),
+            ], dim=1)
+        else:
+            qk = qkv[:, : a.q_size + a.kv_size].view(n, heads, a.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        v = qkv[:, a.q_size + a.kv_size :].view(n, a.num_kv_heads, a.head_dim)
+        attn = h.new_empty(n, a.q_size)
+        for i, s in enumerate(segments):
+            kv = s.kv[li]  # [2, kv_heads, capacity, head_dim]
+            kv[0, :, s.start] = qk[i, a.num_heads :]
+            kv[1, :, s.start] = v[i]
+            length = s.start + 1
+            attn[i] = F.scaled_dot_product_attention(
+                qk[i, : a.num_heads].view(1, a.num_heads, 1, a.head_dim), kv[0, :, :length].unsqueeze(0),
+                kv[1, :, :length].unsqueeze(0), enable_gqa=True,
+            ).view(a.q_size)
+        h = h + self._linear(attn, lw.o_proj, None, lw.o_q4, True)
+        x = F.rms_norm(h, (a.hidden_size,), lw.mlp_norm, a.rms_eps)
+        gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, True)
+        return h + self._linear(F.silu(gu[:, : a.intermediate_size]) * gu[:, a.intermediate_size :], lw.down, None,
+                                lw.down_q4, True)
+
+    def _attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], total: int,
+        skip: int = 0,
+    ) -> torch.Tensor:
+        """Write new K/V, then attend. Returns [total, q_size]; padding rows zero. The first `skip`
+        segments (4-bit decode rows, `_int4_decode_layer`) are left alone.
 
         Single-token segments attend together (`batched_decode_attention`), longer ones one by one
         (`block_attention`); both give a row the same bits, so a dense decode row gets exactly what a
-        one-token prefill would and decode states equal prefill states by construction. 4-bit decode
-        rows (whose KV is never cached) take one plain softmax per session."""
+        one-token prefill would and decode states equal prefill states by construction."""
         out = q.new_zeros(total, q.shape[1] * q.shape[2])
         singles: list[tuple[int, Segment]] = []
-        offset = 0
-        for s in segments:
+        offset = sum(s.num_new for s in segments[:skip])
+        for s in segments[skip:]:
             end = offset + s.num_new
             kv = s.kv[layer]  # [2, kv_heads, capacity, head_dim]
             kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
             kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
-            if s.decode and self.int4_decode:
-                out[offset] = single_query_attention(q[offset], kv[0], kv[1], s.start + 1)[0]
-            elif s.num_new == 1:
+            if s.num_new == 1:
                 singles.append((offset, s))
             else:
                 out[offset:end] = block_attention(q[offset:end], kv[0], kv[1], s.start)

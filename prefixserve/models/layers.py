@@ -222,19 +222,3 @@ def batched_decode_attention(
     out = fixed_tree_sum(torch.matmul(e, vb).view(flat, num_blocks, rep * tile, head_dim))
     out = (out / den.unsqueeze(-1)).view(num_sessions, num_kv_heads, rep, tile, head_dim)[:, :, :, 0]
     return out.reshape(num_sessions, num_heads * head_dim).to(q.dtype)
-
-
-def single_query_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int) -> torch.Tensor:
-    """Attention of one query row over keys [0, length) of one session, in fp32, plain softmax.
-
-    q: [num_heads, head_dim]; k_cache, v_cache: [num_kv_heads, capacity, head_dim]. Returns
-    [1, num_heads * head_dim] in q's dtype. Its bits depend only on this session (one call per
-    session, shapes set by `length`), so it is batch-invariant, but they differ from
-    `block_attention`'s: only for rows whose KV is never cached (4-bit decode, models/quant.py).
-    """
-    num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
-    qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, head_dim) * head_dim**-0.5
-    scores = torch.bmm(qg, k_cache[:, :length].float().transpose(1, 2))
-    out = torch.bmm(torch.softmax(scores, dim=-1), v_cache[:, :length].float())
-    return out.view(1, num_heads * head_dim).to(q.dtype)
