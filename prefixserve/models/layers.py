@@ -124,15 +124,20 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     So a row's bits depend only on its own query and keys.
     """
     n = q.shape[0]
+    # keys and values in fp32 once for every tile of the call (the cast is exact, so a tile sees the
+    # values it would cast itself); casting them per tile made long prompts quadratic in the cast
+    keys = (start + n + BLOCK - 1) // BLOCK * BLOCK
+    k32 = k_cache[:, :keys].float()
+    v32 = v_cache[:, :keys].float()
     outs = []
     for t0 in range(0, n, ATTN_TILE_TOKENS):
         t1 = min(n, t0 + ATTN_TILE_TOKENS)
-        outs.append(_attention_tile(q[t0:t1], k_cache, v_cache, start + t0))
+        outs.append(_attention_tile(q[t0:t1], k32, v32, start + t0))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attention_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
-    """One query tile of <= ATTN_TILE_TOKENS tokens; see block_attention."""
+    """One query tile of <= ATTN_TILE_TOKENS tokens; see block_attention. k_cache, v_cache in fp32."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     rep = num_heads // num_kv_heads
@@ -144,8 +149,8 @@ def _attention_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # q rows grouped by kv head: [kv_heads, rep * tile, head_dim], row r = (head-in-group, token)
     qg = (q.float() * head_dim**-0.5).view(tile, num_kv_heads, rep, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(num_kv_heads, rep * tile, head_dim)
-    kb = k_cache[:, : num_blocks * BLOCK].float().view(num_kv_heads, num_blocks, BLOCK, head_dim)
-    vb = v_cache[:, : num_blocks * BLOCK].float().view(num_kv_heads, num_blocks, BLOCK, head_dim)
+    kb = k_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
+    vb = v_cache[:, : num_blocks * BLOCK].view(num_kv_heads, num_blocks, BLOCK, head_dim)
     scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2))  # [kv_heads, num_blocks, rep * tile, BLOCK]
     # only blocks at or after the tile's first position can hold keys in a row's future
     first = start // BLOCK
