@@ -160,3 +160,45 @@ def test_the_same_key_again_keeps_one_file(tmp_path: Path) -> None:
     t.check_integrity()
     t.close()
 
+
+def test_the_fingerprint_separates_model_dtype_kernel_and_padding(tmp_path: Path) -> None:
+    """The fingerprint the server gives its lower tiers (engine.tier_fingerprint) changes with each
+    choice that changes a state's bits (docs/cache.md, "File format"), so a file written under one
+    is removed, never served, under another."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from prefixserve.engine import tier_fingerprint
+    from prefixserve.models.decoder import Decoder
+    from prefixserve.models.layers import TilePlan
+
+    def decoder(dtype: torch.dtype = torch.bfloat16, tiles: TilePlan | None = None, int4: bool = False) -> Decoder:
+        embed = torch.zeros(4, 8, dtype=dtype)
+        arch: Any = SimpleNamespace(rope_theta=10000.0, head_dim=8)
+        d = Decoder(arch, embed, [], embed[0], embed, tiles or TilePlan())
+        d.int4_decode = int4
+        return d
+
+    weights, other_weights = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    weights.write_bytes(b"weights of model a")
+    other_weights.write_bytes(b"weights of model b")
+    fp = tier_fingerprint(str(weights), decoder(), "cpu")
+    assert fp == tier_fingerprint(str(weights), decoder(), "cpu")  # a restart of the same server
+    others = {
+        "model": tier_fingerprint(str(other_weights), decoder(), "cpu"),
+        "dtype": tier_fingerprint(str(weights), decoder(torch.float32), "cpu"),
+        "padding": tier_fingerprint(str(weights), decoder(tiles=TilePlan(32, 16)), "cpu"),
+        "lm_head padding": tier_fingerprint(str(weights), decoder(tiles=TilePlan(64, 8)), "cpu"),
+        "decode kernel": tier_fingerprint(str(weights), decoder(int4=True), "cpu"),
+    }
+    assert len({fp, *others.values()}) == 1 + len(others), others
+    cache_dir = tmp_path / "cache"
+    for what, other in others.items():
+        t = tier(cache_dir, fingerprint=fp)
+        put(t, NS_A, SYS, b"x" * 10)
+        t.close()
+        t = tier(cache_dir, fingerprint=other)
+        assert t.lookup(NS_A, SYS + (1,)) is None, what
+        assert files(cache_dir) == [] and t.stats()["disk_stale_files"] == 1, what
+        t.close()
