@@ -146,6 +146,10 @@ def test_flush_deletes_the_files_of_the_selected_namespaces(tmp_path: Path) -> N
     t.close()
     t = tier(tmp_path)  # forgotten across a restart too
     assert t.lookup(NS_A, SYS + (1,)) is None and t.lookup(NS_B, SYS + (1,)) is not None
+    put(t, NS_A, SYS, b"a" * 100)
+    result = t.flush(FlushScope())  # the admin's "all": every tenant
+    assert result.num_entries == 2 and files(tmp_path) == [] and t.stats()["disk_bytes"] == 0
+    t.check_integrity()
     t.close()
 
 
