@@ -36,3 +36,46 @@ def test_usage_finds_the_ledger_serve_writes(tmp_path: Path, monkeypatch: pytest
     assert parser.parse_args(["--data-dir", "/somewhere"]).data_dir == "/somewhere"
     monkeypatch.setenv("PREFIXSERVE_LEDGER_PATH", str(tmp_path / "l.sqlite3"))
     assert default_db_path() == str(tmp_path / "l.sqlite3")
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_serve_puts_the_disk_tier_and_the_ledger_in_the_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: bool
+) -> None:
+    """`serve` without --cache-dir: the disk tier in <data dir>/cache beside the ledger (docs/cache.md,
+    "Tiers"), the data dir from --data-dir or else the environment. Stops where the model would load."""
+    import signal
+    import socket
+
+    import prefixserve.engine
+    from prefixserve.config import CacheConfig
+    from prefixserve.models import ModelLoadError
+    from prefixserve.server import run
+
+    seen: list[CacheConfig] = []
+
+    def no_load(model_config: object, cache_config: CacheConfig, engine_config: object) -> None:
+        seen.append(cache_config)
+        raise ModelLoadError("not in this test")
+
+    monkeypatch.setattr(prefixserve.engine, "build_engine", no_load)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("PREFIXSERVE_DATA_DIR", raising=False)
+    monkeypatch.delenv("PREFIXSERVE_LEDGER_PATH", raising=False)
+    monkeypatch.delenv("PREFIXSERVE_CACHE_DIR", raising=False)
+    data = tmp_path / "flag" if flag else tmp_path / "xdg" / "prefixserve"
+    with socket.socket() as s:  # a free port, for the bind run_serve does before the load
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parser = argparse.ArgumentParser()
+    run.add_serve_args(parser)
+    argv = ["--port", str(port), "--cache-disk-bytes", "1G", *(["--data-dir", str(data)] if flag else [])]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert run.run_serve(parser.parse_args(argv)) == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    (cache_config,) = seen
+    assert cache_config.disk_dir == str(data / "cache") and (data / "cache").is_dir()
+    assert (data / "cache").stat().st_mode & 0o777 == 0o700
+    assert (data / "usage.sqlite3").is_file()

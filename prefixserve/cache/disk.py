@@ -240,6 +240,7 @@ class DiskTier(WriteBehind):
 
     def _scan(self) -> None:
         found = []
+        stale = 0
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
             if name.endswith(".tmp"):
@@ -255,10 +256,13 @@ class DiskTier(WriteBehind):
                     _remove([path])
                     continue
                 if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
-                    self._c.num_stale_files += 1
+                    stale += 1
                     _remove([path])
                     continue
                 found.append((os.path.getmtime(path), path, size, header))
+        if stale:  # one line, not one per file: an upgrade may retire every file at once
+            log.warning("disk tier: removed %d files of another model, dtype, kernel or runtime", stale)
+            self._c.num_stale_files += stale
         for _, path, size, h in sorted(found):  # oldest first: the LRU order survives the restart
             dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
             ref = DiskRef(path, len(h.token_ids), h.has_logits, size, h.truncatable, h.points)

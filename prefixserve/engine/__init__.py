@@ -82,11 +82,7 @@ def _build_core(
         from prefixserve import __version__
         from prefixserve.runner.codec import SnapshotCodec
 
-        # one fingerprint for every lower tier: model bytes + the runtime's kernel choices (docs/cache.md)
-        # and the CPU thread count: nothing shows it never changes a kernel's bits, so replicas whose
-        # counts differ keep apart rather than trust each other's states
-        threads = f"|threads={torch.get_num_threads()}" if device == "cpu" else ""
-        fingerprint = f"{model_identity(loaded.path)}|{loaded.decoder.kernel_fingerprint()}{threads}"
+        fingerprint = tier_fingerprint(loaded.path, loaded.decoder, device)
         if cache_config.disk_max_bytes > 0:
             from prefixserve.cache.disk import DiskTier
 
@@ -116,6 +112,17 @@ def _build_core(
              dtype, device, max_len, torch.get_num_threads(),
              loaded.decoder.decode_kernel + ("" if loaded.decoder.decode_matches_prefill else " (finished turns are not cached)"))
     return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
+
+
+def tier_fingerprint(model_path: str, decoder: Any, device: str) -> str:
+    """One fingerprint for every lower tier (docs/cache.md, "File format"): model bytes + the
+    runtime's kernel choices (dtype, decode kernel, tile plan, device) and the CPU thread count:
+    nothing shows it never changes a kernel's bits, so replicas whose counts differ keep apart
+    rather than trust each other's states."""
+    import torch
+
+    threads = f"|threads={torch.get_num_threads()}" if device == "cpu" else ""
+    return f"{model_identity(model_path)}|{decoder.kernel_fingerprint()}{threads}"
 
 
 def model_identity(path: str) -> str:

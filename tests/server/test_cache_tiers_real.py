@@ -1,6 +1,7 @@
 """The disk tier and the flush API over HTTP with the real model: warm restart after SIGTERM and
-after SIGKILL, isolation across the restart, a corrupt file dropped and served correctly, and
-DELETE /v1/cache forgetting RAM and disk. Three server starts in one scenario (they are slow)."""
+after SIGKILL answering as a server without a cache, isolation across the restart, a bit-flipped and
+a truncated file dropped and served correctly, per-tier metrics, and DELETE /v1/cache forgetting RAM
+and disk. Four server starts in one scenario (they are slow)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def complete(srv: ServerProcess, key: str, prompt: str, salt: str | None = None)
 
 def metric(srv: ServerProcess, name: str) -> float:
     text = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    assert "alice" not in text and "bob" not in text  # no tenant labels (docs/cache.md, "Metrics")
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -55,11 +57,11 @@ def wait_for_writes(srv: ServerProcess, num: int) -> None:
 def test_warm_restart_isolation_corruption_and_flush(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     args = [*ARGS, "--cache-dir", str(cache_dir)]
-    with ServerProcess(args, data_dir=tmp_path / "data") as srv:  # cold: what a no-cache server answers
-        r1, cached, _ = complete(srv, KEY_A, P1)
-        assert cached == 0
-        r2, cached, _ = complete(srv, KEY_A, P2, salt="s")
-        assert cached == 0
+    with ServerProcess([*ARGS, "--cache-max-bytes", "0"], data_dir=tmp_path / "ref") as srv:  # the reference
+        r1, r2 = complete(srv, KEY_A, P1)[0], complete(srv, KEY_A, P2)[0]
+    with ServerProcess(args, data_dir=tmp_path / "data") as srv:  # cold
+        assert complete(srv, KEY_A, P1)[:2] == (r1, 0)
+        assert complete(srv, KEY_A, P2, salt="s")[:2] == (r2, 0)
         wait_for_writes(srv, 2)
         assert srv.terminate() == 0  # SIGTERM
 
@@ -72,30 +74,43 @@ def test_warm_restart_isolation_corruption_and_flush(tmp_path: Path) -> None:
         assert (text, cached) == (r2, n2)
         assert metric(srv, "prefixserve_engine_cache_disk_loads") == 2
         assert metric(srv, "prefixserve_engine_cache_disk_load_seconds_total") > 0
+        # per tier (docs/cache.md, "Metrics"): both disk loads were RAM hits once re-inserted
+        assert metric(srv, "prefixserve_engine_cache_disk_hits") == 2
+        assert metric(srv, "prefixserve_engine_cache_ram_hits") >= 2
+        assert metric(srv, "prefixserve_engine_cache_disk_load_seconds_max") > 0
+        for tier in ("disk", "ram"):
+            assert metric(srv, f"prefixserve_engine_cache_{tier}_bytes") > 0
+            assert metric(srv, f"prefixserve_engine_cache_{tier}_evictions") == 0
         wait_for_writes(srv, 2)  # bob's and salt s's P1 entries
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait()
 
-    # flip one payload bit of P2's file (tenant a, salt s) while the server is down
-    p2_ids = None
-    for name in os.listdir(cache_dir):
-        path = cache_dir / name
-        with open(path, "rb") as f:
-            header = read_header(f, path.stat().st_size)
-        if len(header.token_ids) == n2:
-            raw = bytearray(path.read_bytes())
-            raw[-DIGEST_BYTES - 1000] ^= 0x10
-            path.write_bytes(bytes(raw))
-            p2_ids = header.token_ids
-    assert p2_ids is not None
+    # while the server is down: flip one payload bit of P2's file (tenant a, salt s), and truncate
+    # the files of the same namespace that hold P1 (the prompt's, and its finished turn's)
+    headers = {}
+    for name in (n for n in os.listdir(cache_dir) if n.endswith(".kv")):
+        with open(cache_dir / name, "rb") as f:
+            headers[name] = read_header(f, (cache_dir / name).stat().st_size)
+    (flipped,) = (name for name, h in headers.items() if len(h.token_ids) == n2)
+    ns2 = (headers[flipped].tenant_digest, headers[flipped].salt_digest)
+    (p1_ids,) = (h.token_ids for h in headers.values() if len(h.token_ids) == n and (h.tenant_digest, h.salt_digest) == ns2)
+    truncated = [name for name, h in headers.items() if (h.tenant_digest, h.salt_digest) == ns2
+                 and h.token_ids[:n] == p1_ids]
+    raw = bytearray((cache_dir / flipped).read_bytes())
+    raw[-DIGEST_BYTES - 1000] ^= 0x10
+    (cache_dir / flipped).write_bytes(bytes(raw))
+    for name in truncated:
+        raw = bytearray((cache_dir / name).read_bytes())
+        (cache_dir / name).write_bytes(bytes(raw[: len(raw) // 2]))
 
     with ServerProcess(args, data_dir=tmp_path / "data") as srv:  # warm restart after SIGKILL
         text, cached, _ = complete(srv, KEY_A, P1)
         assert (text, cached) == (r1, n)
         assert complete(srv, KEY_A, P2, salt="s") == (r2, 0, n2)  # corrupt file dropped, answer recomputed
-        assert metric(srv, "prefixserve_engine_cache_disk_corrupt_files") == 1
-        assert "dropping" in srv.log_text()
+        assert complete(srv, KEY_A, P1, salt="s") == (r1, 0, n)  # truncated: dropped by the start-up scan
+        assert metric(srv, "prefixserve_engine_cache_disk_corrupt_files") == 1 + len(truncated)
+        assert all(f"dropping {name}" in srv.log_text() for name in [flipped, *truncated])
 
         r = httpx.request("DELETE", srv.openai_url + "/cache", headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 200, r.text
