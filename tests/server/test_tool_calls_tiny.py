@@ -175,3 +175,11 @@ def test_a_multi_turn_exchange_renders_natively_and_hits_the_cache(client: TestC
     third = post(client, {"messages": [*history, {"role": "assistant", "content": "It is 5."},
                                        {"role": "user", "content": "And 4 and 4?"}], "tools": [ADD], "max_tokens": 4})
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["usage"]["prompt_tokens"] - 1
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    force_text(monkeypatch, CALL + CALL.replace("2", "7"))
+    body = {"messages": ASK, "tools": [ADD], "tool_choice": "required", "max_tokens": 200, "parallel_tool_calls": False}
+    calls = post(client, body)["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 2, "b": 3}]
+    assert [json.loads(c["arguments"]) for c in stream(client, body)[1]] == [{"a": 2, "b": 3}]
