@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from prefixserve.config import DEFAULT_MAX_TOKENS
@@ -23,6 +24,7 @@ from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage
 from prefixserve.types import Constraint
 
 MAX_TOP_LOGPROBS = 20
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -73,7 +75,8 @@ def check_logprobs(body: ChatCompletionRequest) -> int | None:
 
 def check_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools to render, or None (no tools, or tool_choice 'none': left out of the prompt).
-    Each function's `parameters` must be a JSON schema of an object that compiles."""
+    Each function's name follows OpenAI's rule and its `parameters` must be a JSON schema of an
+    object that compiles."""
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
@@ -81,6 +84,8 @@ def check_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         return None
     out = [tool.model_dump(exclude_none=True) for tool in body.tools]
     for i, tool in enumerate(out):
+        if not TOOL_NAME.fullmatch(tool["function"]["name"]):
+            raise bad_request("a function name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"tools[{i}].function.name")
         schema = tool["function"].get("parameters")
         param = f"tools[{i}].function.parameters"
         if schema is not None:

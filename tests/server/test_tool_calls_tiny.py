@@ -1,0 +1,185 @@
+"""Tool calls through the whole server on a tiny random model (tests/hybrid/tiny.py) whose chat
+template renders `tools` natively, Qwen/Hermes style: the native path (no fallback system message),
+forced calls valid against the schema, and the parser's edge cases (text before and after a call,
+invalid JSON, an unclosed tag, a call cut by max_tokens) on text the engine generated token by token
+(one byte per token here, so tags arrive split across stream chunks), streamed and not.
+
+A random model writes no call syntax of its own, so where a test needs exact text the forced-call
+grammar is replaced by one that only accepts that text (`force_text`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prefixserve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from prefixserve.engine import build_engine
+from prefixserve.models.tokenizer import load_tokenizer_folder
+from prefixserve.server import tools
+from prefixserve.server.app import create_app
+from prefixserve.server.chat import fallback_messages
+from tests.hybrid.tiny import make_model
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-tiny-tools"
+CH = "/v1/chat/completions"
+# The Qwen2.5 template's tool parts, shortened: tools in the system turn, calls and results in Hermes tags.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}{% if not (loop.first and m['role'] == 'system') %}"
+    "{%- if m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m['content'] }}"
+    "{% for tc in m.tool_calls %}<tool_call>{\"name\": \"{{ tc.function.name }}\", "
+    "\"arguments\": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 3."}]
+FORCE_ADD: dict[str, Any] = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-hermes"))
+    make_model(path, layers=4, seed=17)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = HERMES_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(folder: str) -> Iterator[TestClient]:
+    engine = build_engine(ModelConfig(path=folder, dtype="fp32", num_threads=1, served_model_name="tiny"),
+                          CacheConfig(max_bytes=1 << 28), EngineConfig())
+    with TestClient(create_app(engine, ServerConfig(api_keys=(KEY,)))) as c:
+        yield c
+
+
+def post(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    r = client.post(CH, json={"model": "tiny", "temperature": 0, **body}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def stream(client: TestClient, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]], str]:
+    """(content, tool calls assembled from the deltas as the openai client does, finish_reason, chunks)."""
+    r = client.post(CH, json={"model": "tiny", "temperature": 0, "stream": True, **body},
+                    headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+    content, calls, reason = "", {}, ""
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            content += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], {"id": tc.get("id"), "name": "", "arguments": ""})
+                call["name"] += tc.get("function", {}).get("name") or ""
+                call["arguments"] += tc.get("function", {}).get("arguments") or ""
+            reason = ch["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def force_text(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    """The forced-call grammar becomes one that accepts exactly `text` (a JSON string is a Lark string)."""
+    monkeypatch.setattr(tools, "call_grammar", lambda tool_list, name: f"start: {json.dumps(text)}\n")
+
+
+def test_a_template_with_tools_renders_them_natively(client: TestClient, folder: str) -> None:
+    tok = load_tokenizer_folder(folder)
+    native = tok.render_chat(ASK, [ADD])
+    assert native != tok.render_chat(ASK) and '<tools>\n{"type": "function"' in tok.decode(native)
+    assert native != tok.render_chat(fallback_messages(ASK, [ADD]))
+    r = post(client, {"messages": ASK, "tools": [ADD], "max_tokens": 1})
+    assert r["usage"]["prompt_tokens"] == len(native)  # the template's own rendering, not the fallback
+
+
+def test_a_forced_call_from_a_random_model_matches_the_schema_streamed_and_not(client: TestClient) -> None:
+    body = {"messages": ASK, "tools": [ADD], "tool_choice": FORCE_ADD, "max_tokens": 200}
+    r = post(client, body)
+    choice = r["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "add"
+    assert set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+    content, calls, reason = stream(client, body)
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [("add", call["function"]["arguments"])]
+    assert calls[0]["id"].startswith("call_")
+    cut = post(client, {**body, "max_tokens": 12})["choices"][0]  # cut inside the call: no call, raw text
+    assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"] is None
+    assert cut["message"]["content"].startswith("<tool_call>")
+
+
+def test_auto_on_a_random_model_is_plain_content(client: TestClient) -> None:
+    body = {"messages": ASK, "tools": [ADD], "tool_choice": "auto", "max_tokens": 24}
+    choice = post(client, body)["choices"][0]
+    assert choice["message"]["tool_calls"] is None and choice["finish_reason"] in ("stop", "length")
+    content, calls, reason = stream(client, body)
+    assert calls == [] and (content, reason) == (choice["message"]["content"], choice["finish_reason"])
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+EDGES = [  # generated text -> (content, calls): the parser on what the engine produced
+    ("Let me add. " + CALL + " Done.", "Let me add.  Done.", [("add", {"a": 2, "b": 3})]),
+    (CALL + CALL.replace("2", "7"), None, [("add", {"a": 2, "b": 3}), ("add", {"a": 7, "b": 3})]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),  # unclosed
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ('<tool_call>{"name": "sub", "arguments": {}}</tool_call>', '<tool_call>{"name": "sub", "arguments": {}}</tool_call>',
+     []),  # an unknown function
+    ('<tool_call>{"name": "add", "argu', '<tool_call>{"name": "add", "argu', []),  # unclosed and cut
+    ("<tool_c no tag", "<tool_c no tag", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "expected"), EDGES, ids=[str(i) for i in range(len(EDGES))])
+def test_parser_edge_cases_on_generated_text(client: TestClient, monkeypatch: pytest.MonkeyPatch, text: str,
+                                            content: str | None, expected: list[tuple[str, dict]]) -> None:
+    force_text(monkeypatch, text)
+    body = {"messages": ASK, "tools": [ADD], "tool_choice": "required", "max_tokens": 200}
+    r = post(client, body)
+    assert r["usage"]["completion_tokens"] >= len(text.encode())  # one token per byte: generated, not echoed
+    choice = r["choices"][0]
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"] or []]
+    assert (choice["message"]["content"], got) == (content, expected)
+    assert choice["finish_reason"] == ("tool_calls" if expected else "stop")
+    s_content, s_calls, reason = stream(client, body)
+    assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == expected and reason == choice["finish_reason"]
+    assert s_content.strip() == (content or "")
+    if expected:  # each choice's calls are indexed from 0 and carry their ids
+        assert [c["id"][:5] for c in s_calls] == ["call_"] * len(expected)
+
+
+def test_a_multi_turn_exchange_renders_natively_and_hits_the_cache(client: TestClient) -> None:
+    first = post(client, {"messages": ASK, "tools": [ADD], "tool_choice": FORCE_ADD, "max_tokens": 200})
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    second = post(client, {"messages": history, "tools": [ADD], "max_tokens": 4})
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    third = post(client, {"messages": [*history, {"role": "assistant", "content": "It is 5."},
+                                       {"role": "user", "content": "And 4 and 4?"}], "tools": [ADD], "max_tokens": 4})
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["usage"]["prompt_tokens"] - 1
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    force_text(monkeypatch, CALL + CALL.replace("2", "7"))
+    body = {"messages": ASK, "tools": [ADD], "tool_choice": "required", "max_tokens": 200, "parallel_tool_calls": False}
+    calls = post(client, body)["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 2, "b": 3}]
+    assert [json.loads(c["arguments"]) for c in stream(client, body)[1]] == [{"a": 2, "b": 3}]
