@@ -1,6 +1,6 @@
 """The shared (Redis) tier against a real redis-server, with a fake codec (no model): round trip,
 isolation, HMAC rejection of tampered / foreign values, another fingerprint never served, Redis
-down → miss and counted, back → hit, flush by namespace, with exact counts."""
+down or slow → miss and counted, back → hit, flush by namespace, with exact counts."""
 
 from __future__ import annotations
 
@@ -164,6 +164,33 @@ def test_redis_down_is_a_miss_counted_and_back_is_a_hit(server: RedisServer, cli
         time.sleep(0.05)
     assert t.wait_idle(10)
     got = get(t, NS_A, SYS + (1,))
+    assert isinstance(got, Loaded) and got.state == Blob(b"x" * 100) and t.stats()["redis_up"] == 1
+    t.close()
+
+
+def test_a_slow_redis_is_a_miss_within_the_timeout_and_is_used_again(server: RedisServer, client: redis.Redis) -> None:
+    """Redis slow (SIGSTOP: connections are accepted, nothing is answered): a read gives up at the
+    socket timeout (0.5 s here), a miss and counted, then the back-off skips Redis; once it answers
+    again the value written before is served (docs/cache.md, "Degrades, never fails")."""
+    t = tier(server)
+    put(t, NS_A, SYS, b"x" * 100)
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        got = get(t, NS_A, SYS + (1,))
+        assert isinstance(got, LoadFailed) and got.reason == "Redis unavailable"
+        assert 0.4 < time.monotonic() - t0 < 2.0  # waited for the timeout, no longer
+        assert get(t, NS_A, SYS + (1,)) is None  # in back-off: not even tried
+        assert not t.offer(NS_A, SYS + (5,), Blob(b"y"))
+        s = t.stats()
+        assert s["redis_up"] == 0 and s["redis_errors"] == 1 and s["redis_dropped_writes"] == 1
+        assert (s["redis_loads"], s["redis_hits"]) == (0, 0)
+    finally:
+        server.resume()
+    deadline = time.monotonic() + 10
+    while (got := get(t, NS_A, SYS + (1,))) is None or isinstance(got, LoadFailed):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
     assert isinstance(got, Loaded) and got.state == Blob(b"x" * 100) and t.stats()["redis_up"] == 1
     t.close()
 
