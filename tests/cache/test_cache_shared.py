@@ -4,9 +4,11 @@ down or slow → miss and counted, back → hit, flush by namespace, with exact 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -220,3 +222,15 @@ def test_a_full_redis_drops_the_write_and_stays_up() -> None:
         put(t, NS_A, SYS, b"y" * 100)
         assert isinstance(get(t, NS_A, SYS), Loaded) and t.stats()["redis_writes"] == 1
         t.close()
+
+
+def test_the_metrics_are_the_documented_ones(server: RedisServer, client: redis.Redis) -> None:
+    """`/metrics` shows `stats()` as prefixserve_engine_cache_<name> (engine/async_engine.py): the
+    names are exactly docs/cache.md's list under "Metrics"."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cache.md").read_text()
+    listed = re.search(r"prefixserve_engine_cache_redis_\{([a-z_,]+)\}", doc)
+    assert listed is not None
+    t = tier(server)
+    assert {k.removeprefix("redis_") for k in t.stats()} == set(listed.group(1).split(","))
+    assert all(k.startswith("redis_") for k in t.stats())
+    t.close()
