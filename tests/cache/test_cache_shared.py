@@ -212,6 +212,23 @@ def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: red
     t.close()
 
 
+def test_a_value_evicted_by_redis_is_skipped_not_an_error(server: RedisServer, client: redis.Redis) -> None:
+    """allkeys-lru may evict a value and keep its length index or marker (docs/cache.md, "Bound"):
+    that GET finds nothing and the next candidate is read; no error, no back-off."""
+    t = tier(server)
+    put(t, NS_A, SYS, b"s" * 100)
+    put(t, NS_A, SYS + (1, 2, 3), b"u" * 100)
+    client.delete(t.key(NS_A, SYS + (1, 2, 3)))  # as Redis's LRU would
+    got = get(t, NS_A, SYS + (1, 2, 3, 4))
+    assert isinstance(got, Loaded) and got.token_ids == SYS
+    client.delete(t.key(NS_A, SYS))
+    assert isinstance(get(t, NS_A, SYS + (1, 2, 3, 4)), LoadFailed)
+    s = t.stats()
+    assert (s["redis_hits"], s["redis_loads"], s["redis_errors"], s["redis_rejected_values"], s["redis_up"]) == (
+        1, 1, 0, 0, 1)
+    t.close()
+
+
 def test_a_full_redis_drops_the_write_and_stays_up() -> None:
     with RedisServer(maxmemory="2mb", policy="noeviction") as full:
         t = tier(full)
