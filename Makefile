@@ -21,10 +21,11 @@ serve: install
 	$(VENV)/bin/prefixserve serve --host $(HOST) --port $(PORT)
 
 # The shared cache tier's tests start a real redis-server (tests/helpers/redis_proc.py). Debian's
-# package is the binary the operators run; installed only when missing (CI runs as root).
+# package is the binary the operators run; installed only when missing, as root or by `sudo -n`.
 redis-server:
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
+		{ root=$$(test "$$(id -u)" = 0 || echo sudo -n); $$root apt-get update -qq && \
+		  $$root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 test: install redis-server
 	$(PY) -m pytest -q tests

@@ -1,12 +1,14 @@
 """The shared (Redis) tier against a real redis-server, with a fake codec (no model): round trip,
 isolation, HMAC rejection of tampered / foreign values, another fingerprint never served, Redis
-down → miss and counted, back → hit, flush by namespace, with exact counts."""
+down or slow → miss and counted, back → hit, flush by namespace, with exact counts."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -168,6 +170,33 @@ def test_redis_down_is_a_miss_counted_and_back_is_a_hit(server: RedisServer, cli
     t.close()
 
 
+def test_a_slow_redis_is_a_miss_within_the_timeout_and_is_used_again(server: RedisServer, client: redis.Redis) -> None:
+    """Redis slow (SIGSTOP: connections are accepted, nothing is answered): a read gives up at the
+    socket timeout (0.5 s here), a miss and counted, then the back-off skips Redis; once it answers
+    again the value written before is served (docs/cache.md, "Degrades, never fails")."""
+    t = tier(server)
+    put(t, NS_A, SYS, b"x" * 100)
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        got = get(t, NS_A, SYS + (1,))
+        assert isinstance(got, LoadFailed) and got.reason == "Redis unavailable"
+        assert 0.4 < time.monotonic() - t0 < 2.0  # waited for the timeout, no longer
+        assert get(t, NS_A, SYS + (1,)) is None  # in back-off: not even tried
+        assert not t.offer(NS_A, SYS + (5,), Blob(b"y"))
+        s = t.stats()
+        assert s["redis_up"] == 0 and s["redis_errors"] == 1 and s["redis_dropped_writes"] == 1
+        assert (s["redis_loads"], s["redis_hits"]) == (0, 0)
+    finally:
+        server.resume()
+    deadline = time.monotonic() + 10
+    while (got := get(t, NS_A, SYS + (1,))) is None or isinstance(got, LoadFailed):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert isinstance(got, Loaded) and got.state == Blob(b"x" * 100) and t.stats()["redis_up"] == 1
+    t.close()
+
+
 def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: redis.Redis) -> None:
     t = tier(server)
     for ns in (NS_A, NS_A_SALT, NS_A_OTHER_MODEL, NS_B):
@@ -183,6 +212,23 @@ def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: red
     t.close()
 
 
+def test_a_value_evicted_by_redis_is_skipped_not_an_error(server: RedisServer, client: redis.Redis) -> None:
+    """allkeys-lru may evict a value and keep its length index or marker (docs/cache.md, "Bound"):
+    that GET finds nothing and the next candidate is read; no error, no back-off."""
+    t = tier(server)
+    put(t, NS_A, SYS, b"s" * 100)
+    put(t, NS_A, SYS + (1, 2, 3), b"u" * 100)
+    client.delete(t.key(NS_A, SYS + (1, 2, 3)))  # as Redis's LRU would
+    got = get(t, NS_A, SYS + (1, 2, 3, 4))
+    assert isinstance(got, Loaded) and got.token_ids == SYS
+    client.delete(t.key(NS_A, SYS))
+    assert isinstance(get(t, NS_A, SYS + (1, 2, 3, 4)), LoadFailed)
+    s = t.stats()
+    assert (s["redis_hits"], s["redis_loads"], s["redis_errors"], s["redis_rejected_values"], s["redis_up"]) == (
+        1, 1, 0, 0, 1)
+    t.close()
+
+
 def test_a_full_redis_drops_the_write_and_stays_up() -> None:
     with RedisServer(maxmemory="2mb", policy="noeviction") as full:
         t = tier(full)
@@ -193,3 +239,15 @@ def test_a_full_redis_drops_the_write_and_stays_up() -> None:
         put(t, NS_A, SYS, b"y" * 100)
         assert isinstance(get(t, NS_A, SYS), Loaded) and t.stats()["redis_writes"] == 1
         t.close()
+
+
+def test_the_metrics_are_the_documented_ones(server: RedisServer, client: redis.Redis) -> None:
+    """`/metrics` shows `stats()` as prefixserve_engine_cache_<name> (engine/async_engine.py): the
+    names are exactly docs/cache.md's list under "Metrics"."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cache.md").read_text()
+    listed = re.search(r"prefixserve_engine_cache_redis_\{([a-z_,]+)\}", doc)
+    assert listed is not None
+    t = tier(server)
+    assert {k.removeprefix("redis_") for k in t.stats()} == set(listed.group(1).split(","))
+    assert all(k.startswith("redis_") for k in t.stats())
+    t.close()

@@ -1,6 +1,7 @@
 """The shared tier through two in-process engines ("replicas", one real redis-server): replica 2
 serves a prompt replica 1 computed from Redis with the same tokens, without holding up another
-session while it loads; with Redis killed it recomputes the same tokens with no error."""
+session while it loads; with Redis killed it recomputes the same tokens with no error; a replica of
+another dtype never serves the other's values."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def redis_url() -> Iterator[RedisServer]:
         yield r
 
 
-def make_core(url: str, out: dict[str, list[Delta]]) -> EngineCore:
-    model, runner = load_embedded("int4")
+def make_core(url: str, out: dict[str, list[Delta]], mode: str = "int4") -> EngineCore:
+    model, runner = load_embedded(mode)
     tier = SharedTier(SharedTierConfig(url, b"engine-test-secret-0123"), runner.decoder.kernel_fingerprint(),
                       __version__, SnapshotCodec())
     return EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
@@ -103,5 +104,30 @@ def test_replica_two_loads_from_redis_without_blocking_and_survives_redis_dying(
     stats = two.shared.stats()
     assert (stats["redis_up"], stats["redis_loads"]) == (0, 1) and stats["redis_errors"] >= 1
     for core in (one, two):
+        assert core.shared is not None
+        core.shared.close()
+
+
+def test_a_value_written_under_another_dtype_is_never_served(redis_url: RedisServer) -> None:
+    """The real fingerprints (`Decoder.kernel_fingerprint`) of an fp32 and a bf16 replica differ, so
+    the bf16 replica drops the fp32 replica's value as stale and computes the prompt itself
+    (docs/cache.md, "Shared tier": another model's, dtype's or kernel's value is never served)."""
+    out: dict[str, list[Delta]] = {}
+    fp32, bf16 = make_core(redis_url.url, out, "fp32"), make_core(redis_url.url, out, "bf16")
+    assert fp32.shared is not None and bf16.shared is not None
+    assert fp32.shared.fingerprint != bf16.shared.fingerprint
+    tok = load_embedded("bf16")[0].tokenizer
+    p = tok.render_chat([{"role": "user", "content": "List three colours of the rainbow, briefly. " * 6}])
+    rid = add(fp32, p)
+    run(fp32)
+    assert fp32.shared.wait_idle(30) and fp32.shared.stats()["redis_writes"] >= 1
+    rid = add(bf16, p)
+    run(bf16)
+    assert result(out, rid)[1].cached_tokens == 0
+    stats = bf16.shared.stats()
+    # every value found (the prompt's entry, and by its marker the finished turn's) dropped as stale
+    assert stats["redis_hits"] == stats["redis_stale_values"] >= 1 and stats["redis_loads"] == 0, stats
+    assert stats["redis_rejected_values"] == 0  # the same secret: the MAC holds, the fingerprint does not
+    for core in (fp32, bf16):
         assert core.shared is not None
         core.shared.close()

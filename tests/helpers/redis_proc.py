@@ -2,6 +2,7 @@
 
     with RedisServer() as r:          # r.url = "redis://127.0.0.1:<port>/0"
         r.kill()                      # SIGKILL (Redis down); r.start() brings it back on the same port
+        r.pause()                     # SIGSTOP (Redis slow: connects, never answers); r.resume() SIGCONT
 
 `make test` installs redis-server (apt) when it is missing; without it these tests are skipped with
 that reason. No persistence (`--save ''`), `maxmemory` + `allkeys-lru` as docs/cache.md recommends.
@@ -10,6 +11,7 @@ that reason. No persistence (`--save ''`), `maxmemory` + `allkeys-lru` as docs/c
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -64,6 +66,14 @@ class RedisServer:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         if self.proc is not None:

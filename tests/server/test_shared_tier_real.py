@@ -40,8 +40,8 @@ def complete(srv: ServerProcess, key: str, prompt: str, salt: str | None = None)
     return r.json()["choices"][0]["text"], usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
 
 
-def stream(srv: ServerProcess, prompt: str) -> tuple[bool, int]:
-    """(ok, cached_tokens) of one streamed completion read to [DONE]."""
+def stream(srv: ServerProcess, prompt: str, first: threading.Event | None = None) -> tuple[bool, int]:
+    """(ok, cached_tokens) of one streamed completion read to [DONE]; `first` is set at its first chunk."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     usage, done = None, False
@@ -53,6 +53,8 @@ def stream(srv: ServerProcess, prompt: str) -> tuple[bool, int]:
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: "):
+                if first is not None:
+                    first.set()
                 obj = json.loads(line[6:])
                 if "error" in obj:
                     return False, 0
@@ -152,29 +154,38 @@ NUM_CLIENTS = 32  # streaming clients over both replicas when Redis is killed
 
 def test_redis_killed_under_load_fails_nothing_and_comes_back(cluster: Any) -> None:
     rs, r1, r2, _ = cluster
+    for srv in (r1, r2):  # the system prompt in each replica's RAM: every client below has a local hit
+        complete(srv, KEY_A, SYSTEM + " Which rule comes first?")
     users = [f" Question {i}: which department takes returns in {i + 22} days?" for i in range(NUM_CLIENTS)]
     results: list[tuple[bool, int]] = []
     lock = threading.Lock()
+    streaming = threading.Event()
 
     def client(i: int) -> None:
-        got = stream((r1, r2)[i % 2], SYSTEM + users[i])
+        got = stream((r1, r2)[i % 2], SYSTEM + users[i], streaming)
         with lock:
             results.append(got)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(NUM_CLIENTS)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    assert streaming.wait(120)
+    with lock:
+        finished_before_kill = len(results)
     rs.kill()  # mid-load: lookups, reads and writes in flight on both replicas
     for t in threads:
         t.join()
+    assert finished_before_kill < NUM_CLIENTS  # the kill landed while clients were still streaming
     assert len(results) == NUM_CLIENTS and all(ok for ok, _ in results), results
+    assert all(cached > 0 for _, cached in results), results  # local RAM served the system prompt throughout
 
     # Redis down: local tiers only, with a log line and a metric, and no error
-    ok, cached = stream(r1, SYSTEM + " Which rule covers department 7?")
-    assert ok and cached > 0  # the system prompt's boundary entry in replica 1's RAM
-    assert metric(r1, "errors") + metric(r2, "errors") >= 1
-    assert "serving from the local tiers" in r1.log_text() + r2.log_text()
+    for srv, question in ((r1, " Which rule covers department 7?"), (r2, " Which rule covers department 8?")):
+        loads = metric(srv, "loads")
+        ok, cached = stream(srv, SYSTEM + question)
+        assert ok and cached > 0 and metric(srv, "loads") == loads  # the system prompt's entry in this replica's RAM
+        wait_metric(srv, "errors", 1)  # this request's write, at least, found Redis gone
+    assert "serving from the local tiers" in r1.log_text() and "serving from the local tiers" in r2.log_text()
 
     rs.start()  # empty (no persistence); each replica reconnects after its back-off (<= 8 s)
     deadline = time.monotonic() + 60
