@@ -145,6 +145,18 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
         )
     rows.append(
         Row(
+            "Start-up: launch to /health answering",
+            "s",
+            _startup(ours),
+            None,
+            _startup(peer),
+            None,
+            note="ours loads the model from its prepared-model cache when an earlier start filled it "
+                 "(docs/architecture.md, \"Start-up\"); the first start on a machine prepares it (~15 s more)",
+        )
+    )
+    rows.append(
+        Row(
             "Peak RSS of the server",
             "MiB",
             _rss(ours),
@@ -243,6 +255,12 @@ def _rss(raw: Raw | None, which: str = "peak") -> float | None:
     if raw is None:
         return None
     return round(raw[f"{which}_rss_bytes"] / 2**20, 1)
+
+
+def _startup(raw: Raw | None) -> float | None:
+    if raw is None or raw.get("startup_s") is None:
+        return None
+    return round(float(raw["startup_s"]), 1)
 
 
 def _fmt(value: float | None) -> str:
