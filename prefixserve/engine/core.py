@@ -256,7 +256,7 @@ class EngineCore:
             s.state = self.runner.new_state(room)
             return
         try:
-            s.state = entry.state.restore(s.num_cached, room - s.num_cached)
+            s.state = entry.state.restore(s.num_cached, room - s.num_cached, self.runner.kv_pool)
         finally:
             s.pending_restore = None
             self.cache.unpin(entry)

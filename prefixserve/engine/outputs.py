@@ -103,4 +103,6 @@ def finish(
     text += s.detok.flush()
     core.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage,
                                           index=s.index, logprobs=logprobs, error=error))
+    if s.state is not None and not core.refills.owns(s.state):
+        core.runner.recycle(s.state)  # its buffer serves the next session (runner/state.py KVPool)
     s.state = None  # free the session's KV now

@@ -49,7 +49,8 @@ class TurnRefills:
         if len(self._queue) > MAX_PENDING_REFILLS:
             oldest = self._queue.popleft()
             if self._job is not None and self._job[0] is oldest:
-                self._job = None
+                self._job = None  # its paused forward is closed with it: nothing writes the state any more
+            self.runner.recycle(oldest.state)
 
     def run_layer(self) -> None:
         """Run one layer of the oldest refill's next chunk (starting the chunk if none is under way);
@@ -70,6 +71,11 @@ class TurnRefills:
         if r.state.num_tokens == len(r.token_ids):
             self._queue.remove(r)
             self.store(r.namespace, r.token_ids, r.state)
+            self.runner.recycle(r.state)  # the cache copied what it keeps
+
+    def owns(self, state: SessionState) -> bool:
+        """Whether `state` is a pending refill's (handed over by `offer`)."""
+        return any(r.state is state for r in self._queue)
 
     def complete_for(self, ns: Namespace, prompt_ids: tuple[int, ...]) -> tuple[int, int]:
         """Finish now every refill that the prompt continues (same namespace, same tokens past its

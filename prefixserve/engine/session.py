@@ -13,6 +13,7 @@ from prefixserve.cache import CachedState, Entry
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner import SessionState
+from prefixserve.runner.state import KVPool
 from prefixserve.types import FinishReason, Namespace, Request, Usage
 
 
@@ -25,7 +26,7 @@ class Snapshot(CachedState, Protocol):
         """The logits of its last position (None unless `has_logits`)."""
         ...
 
-    def restore(self, num_tokens: int, extra_capacity: int) -> SessionState:
+    def restore(self, num_tokens: int, extra_capacity: int, pool: KVPool | None = None) -> SessionState:
         """A deep copy of its first `num_tokens` tokens (its own length or a resume point, unless
         truncatable) into a new session state with room for `extra_capacity` more tokens."""
         ...

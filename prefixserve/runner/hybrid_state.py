@@ -184,11 +184,11 @@ class HybridSnapshot:
         recs = [self._rec, *self._points.values()]
         return [*self._kvs.storage(), *((("recurrent", r.delta.untyped_storage().data_ptr()), r.nbytes) for r in recs)]
 
-    def restore(self, num_tokens: int, extra_capacity: int) -> HybridState:
+    def restore(self, num_tokens: int, extra_capacity: int, pool: object = None) -> HybridState:
         """Deep copy into a new HybridState with room for `extra_capacity` more tokens. num_tokens must
         be this snapshot's own length or one of its resume points (a recurrent state is valid at one
         position only); the new state keeps the checkpoints up to it (shared, never written), so its
-        own snapshots serve them too at no extra bytes."""
+        own snapshots serve them too at no extra bytes. `pool` is ignored: hybrid states are not pooled."""
         r = self._rec if num_tokens == self.num_tokens else self._points.get(num_tokens)
         if r is None:
             raise ValueError(f"a hybrid snapshot of {self.num_tokens} tokens cannot serve {num_tokens}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.models.decoder import Decoder, Segment
-from prefixserve.runner.state import SessionState
+from prefixserve.runner.state import KVPool, SessionState
 
 
 @dataclass(slots=True)
@@ -30,6 +30,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         a = decoder.arch
         self.state_shape = (a.num_layers, 2, a.num_kv_heads, a.head_dim)
+        self.kv_pool = KVPool()  # finished sessions' KV buffers, for the next ones (runner/state.py)
 
     def new_state(self, capacity: int = 0) -> SessionState:
         if getattr(self.decoder, "hybrid", False):  # attention KV + recurrent state (runner/hybrid_state.py)
@@ -37,7 +38,15 @@ class ModelRunner:
 
             d = self.decoder
             return HybridState.fresh(d.kv_shape, d.new_recurrent(), d.dtype, str(d.device), capacity)  # type: ignore[attr-defined]
-        return SessionState.empty(self.state_shape, self.decoder.dtype, str(self.decoder.device), capacity)
+        return SessionState.empty(self.state_shape, self.decoder.dtype, str(self.decoder.device), capacity,
+                                  self.kv_pool)
+
+    def recycle(self, state: SessionState | None) -> None:
+        """`state` is done with (its owner drops it): keep its KV buffer for a later session. Only a
+        plain SessionState; the state must not be used afterwards."""
+        if type(state) is SessionState:
+            self.kv_pool.give(state.kv)
+            state.kv = state.kv.new_empty(0, 0, 0, 0, 0)
 
     def kv_bytes_per_token(self) -> int:
         layers, two, heads, head_dim = self.state_shape
