@@ -98,6 +98,10 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert args.api_keys == ["alice sk-1", "sk-2"]
     assert run._resolve(_args("--no-ledger"), "no_ledger", {}) is True
     assert run._resolve(_args(), "no_ledger", {}) is False
+    assert run._resolve(_args("--no-model-cache"), "no_model_cache", {}) is True
+    assert run._resolve(_args(), "no_model_cache", {"PREFIXSERVE_NO_MODEL_CACHE": "1"}) is True
+    assert run._resolve(_args("--model-cache-dir", "/m"), "model_cache_dir", {"PREFIXSERVE_MODEL_CACHE_DIR": "/e"}) == "/m"
+    assert run._resolve(_args(), "model_cache_dir", {}) is None  # resolved by config.default_model_cache_dir
     assert run._split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
     with pytest.raises(SystemExit):
         run._resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
