@@ -64,8 +64,9 @@ class KVPool:
     def give(self, kv: torch.Tensor) -> None:
         """Keep `kv` for reuse if nothing else can see its memory (no live view of its storage)."""
         nbytes = kv.numel() * kv.element_size()
+        use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it pools nothing
         # 2 = this tensor + the temporary storage handle of the call itself (measured, torch 2.13)
-        if nbytes > self.max_bytes or torch._C._storage_Use_Count(kv.untyped_storage()._cdata) != 2:
+        if nbytes > self.max_bytes or use_count is None or use_count(kv.untyped_storage()._cdata) != 2:
             return
         self._free.append(kv)
         self.bytes += nbytes
