@@ -144,10 +144,10 @@ class Decoder:
             raise ValueError("decode segments must precede prefill segments")
         nd = sum(s.num_new for s in segments[:leading]) if self.int4_decode else 0
         num_rows = token_ids.shape[0]
-        groups: list[tuple[int, int, bool]] = [(0, nd, True)] if nd else []  # (start, rows, int4)
+        tiles: list[tuple[int, int]] = []  # (start, rows) of each plan tile after the decode rows
         offset = nd
         for t in self.tiles.split(num_rows - nd):
-            groups.append((offset, t, False))
+            tiles.append((offset, t))
             offset += t
         total = offset
         positions = torch.zeros(total, dtype=torch.long, device=self.device)
@@ -160,14 +160,13 @@ class Decoder:
         q = h.new_empty(total, a.num_heads, a.head_dim)
         k = h.new_empty(total, a.num_kv_heads, a.head_dim)
         v = h.new_empty(total, a.num_kv_heads, a.head_dim)
-        tile_groups = [g for g in groups if not g[2]]
         for li, lw in enumerate(self.layers):
             if nd:  # 4-bit decode rows: their own short path (they attend only to their own sessions)
                 h[:nd] = self._int4_decode_layer(li, lw, h[:nd], cos[:nd], sin[:nd], segments[:leading])
-            for g0, gn, q4 in tile_groups:
+            for g0, gn in tiles:
                 g1 = g0 + gn
                 x = rms_norm(h[g0:g1], lw.attn_norm, a.rms_eps)
-                qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, q4)
+                qkv = F.linear(x, lw.qkv, lw.qkv_bias)
                 gq = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
                 gk = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
                 v[g0:g1] = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
@@ -177,13 +176,13 @@ class Decoder:
                 q[g0:g1] = apply_rope(gq, cos[g0:g1], sin[g0:g1])
                 k[g0:g1] = apply_rope(gk, cos[g0:g1], sin[g0:g1])
             attn = self._attention(li, q, k, v, segments, total, skip=leading if nd else 0)
-            for g0, gn, q4 in tile_groups:
+            for g0, gn in tiles:
                 g1 = g0 + gn
-                hg = h[g0:g1] + self._linear(attn[g0:g1], lw.o_proj, None, lw.o_q4, q4)
+                hg = h[g0:g1] + F.linear(attn[g0:g1], lw.o_proj)
                 x = rms_norm(hg, lw.mlp_norm, a.rms_eps)
-                gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, q4)
+                gu = F.linear(x, lw.gate_up)
                 gate, up = gu.split(a.intermediate_size, dim=-1)
-                h[g0:g1] = hg + self._linear(F.silu(gate) * up, lw.down, None, lw.down_q4, q4)
+                h[g0:g1] = hg + F.linear(F.silu(gate) * up, lw.down)
             yield
         last_rows: list[int] = []
         offset = 0
@@ -202,13 +201,11 @@ class Decoder:
         return tiled(h[last_rows], self.tiles.head,
                      lambda t: F.linear(rms_norm(t, self.final_norm, a.rms_eps), self.lm_head).float())
 
-    def _linear(
-        self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None, decode_group: bool
+    def _decode_linear(
+        self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None
     ) -> torch.Tensor:
-        """One group's matmul. Decode group: the 4-bit kernel (any row count), or plan tiles for a
-        layer without 4-bit codes. Tile group: one dense call of exactly the tile's shape."""
-        if not decode_group:
-            return F.linear(x, dense, bias)
+        """A 4-bit decode row group's matmul: the 4-bit kernel (any row count), or plan tiles for a
+        layer without 4-bit codes. (Tile groups call F.linear on exactly the tile's shape.)"""
         if q4 is not None:
             return int4_linear(x, q4, bias)
         return tiled(x, self.tiles, lambda t: F.linear(t, dense, bias))
@@ -226,7 +223,7 @@ class Decoder:
         a = self.arch
         n = h.shape[0]
         x = F.rms_norm(h, (a.hidden_size,), lw.attn_norm, a.rms_eps)
-        qkv = self._linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4, True)
+        qkv = self._decode_linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4)
         heads = a.num_heads + a.num_kv_heads
         if lw.q_norm is not None and lw.k_norm is not None:
             qk = torch.cat([
@@ -248,11 +245,11 @@ class Decoder:
                 qk[i, : a.num_heads].view(1, a.num_heads, 1, a.head_dim), kv[0, :, :length].unsqueeze(0),
                 kv[1, :, :length].unsqueeze(0), enable_gqa=True,
             ).view(a.q_size)
-        h = h + self._linear(attn, lw.o_proj, None, lw.o_q4, True)
+        h = h + self._decode_linear(attn, lw.o_proj, None, lw.o_q4)
         x = F.rms_norm(h, (a.hidden_size,), lw.mlp_norm, a.rms_eps)
-        gu = self._linear(x, lw.gate_up, None, lw.gate_up_q4, True)
-        return h + self._linear(F.silu(gu[:, : a.intermediate_size]) * gu[:, a.intermediate_size :], lw.down, None,
-                                lw.down_q4, True)
+        gu = self._decode_linear(x, lw.gate_up, None, lw.gate_up_q4)
+        act = F.silu(gu[:, : a.intermediate_size]) * gu[:, a.intermediate_size :]
+        return h + self._decode_linear(act, lw.down, None, lw.down_q4)
 
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], total: int,
