@@ -121,12 +121,7 @@ def tier_fingerprint(model_path: str, decoder: Any, device: str) -> str:
     rather than trust each other's states."""
     import torch
 
+    from prefixserve.models.prepared import file_identity  # a digest of the model's bytes
+
     threads = f"|threads={torch.get_num_threads()}" if device == "cpu" else ""
-    return f"{model_identity(model_path)}|{decoder.kernel_fingerprint()}{threads}"
-
-
-def model_identity(path: str) -> str:
-    """A digest of the model's bytes, for the disk tier's fingerprint: another model's files are never served."""
-    from prefixserve.models.prepared import file_identity
-
-    return file_identity(path)
+    return f"{file_identity(model_path)}|{decoder.kernel_fingerprint()}{threads}"

@@ -8,7 +8,7 @@ fp32, cast, fused and its 4-bit codes repacked. None of it depends on anything b
 bytes, the dtype and device, the int4 kernel's packing (torch version and CPU capability) and this
 code. An entry is a directory named by a digest of all of these:
 
-    manifest.json   format, the key's parts, the architecture, the payload's size and blake2b digest
+    manifest.json   the key's parts, the architecture, the payload's size and blake2b digest
     tensors.pt      every decoder tensor and 4-bit pack (torch.save; loaded with weights_only)
     tokenizer/      the converted tokenizer (save_pretrained), loaded back as a model folder
 
@@ -106,7 +106,7 @@ def load(cache_dir: str, parts: Mapping[str, str], tiles: TilePlan) -> tuple[Dec
         if manifest.get("key") != dict(parts):
             raise ValueError("the manifest's key does not match its directory")
         payload = os.path.join(entry, "tensors.pt")
-        if os.path.getsize(payload) != manifest["payload_bytes"] or _digest(payload) != manifest["payload_blake2b"]:
+        if os.path.getsize(payload) != manifest["payload_bytes"] or file_identity(payload) != manifest["payload_blake2b"]:
             raise ValueError("tensors.pt does not match its digest")
         tensors = torch.load(payload, map_location=parts["device"], weights_only=True)
         arch = ArchConfig(**manifest["arch"])
@@ -137,7 +137,7 @@ def save(cache_dir: str, parts: Mapping[str, str], decoder: Decoder, tokenizer: 
                 "arch": asdict(decoder.arch),
                 "extra_eos_ids": list(tokenizer.extra_eos_ids),
                 "payload_bytes": os.path.getsize(payload),
-                "payload_blake2b": _digest(payload),
+                "payload_blake2b": file_identity(payload),
                 "created": time.time(),
             }
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
@@ -163,14 +163,6 @@ def cached_or_prepare(
     decoder, tokenizer = prepare()
     save(cache_dir, parts, decoder, tokenizer)
     return decoder, tokenizer, False
-
-
-def _digest(path: str) -> str:
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _int4(w: Int4Weight | None) -> dict[str, Any] | None:
@@ -214,7 +206,9 @@ def _decoder(arch: ArchConfig, t: dict[str, Any], tiles: TilePlan) -> Decoder:
     lm_head = embed if t["lm_head"] is None else t["lm_head"]
     decoder = Decoder(arch, embed, layers, t["final_norm"], lm_head, tiles)
     decoder.lm_head_q4 = _from_int4(t["lm_head_q4"])
-    decoder.int4_decode = decoder.lm_head_q4 is not None or any(lw.qkv_q4 is not None for lw in layers)
+    # as weights.attach_int4 sets it: any linear weight with a 4-bit copy
+    decoder.int4_decode = decoder.lm_head_q4 is not None or any(
+        getattr(lw, name) is not None for lw in layers for name in _LAYER_INT4)
     if decoder.int4_decode and not quant.available(decoder.dtype, decoder.device.type):
         raise ValueError("the entry holds 4-bit weights this runtime cannot run")
     return decoder

@@ -75,6 +75,16 @@ class KVPool:
             self.bytes -= old.numel() * old.element_size()
 
 
+def _kv_buffer(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, capacity: int, pool: KVPool | None
+) -> torch.Tensor:
+    """An uninitialised KV tensor for (num_layers, 2, num_kv_heads, head_dim) with room for `capacity`
+    tokens rounded up to a BLOCK: from `pool` when given (possibly a little larger), else new."""
+    layers, two, heads, head_dim = shape
+    full = (layers, two, heads, _round_up(max(capacity, BLOCK), BLOCK), head_dim)
+    return torch.empty(full, dtype=dtype, device=device) if pool is None else pool.take(full, dtype, device)
+
+
 class SessionState:
     """Mutable state of one running session.
 
@@ -99,11 +109,7 @@ class SessionState:
         pool: KVPool | None = None,
     ) -> SessionState:
         """shape = (num_layers, 2, num_kv_heads, head_dim); the buffer from `pool` when it has one."""
-        layers, two, heads, head_dim = shape
-        cap = _round_up(max(capacity, BLOCK), BLOCK)
-        if pool is None:
-            return cls(torch.zeros(layers, two, heads, cap, head_dim, dtype=dtype, device=device))
-        return cls(pool.take((layers, two, heads, cap, head_dim), dtype, device).zero_())
+        return cls(_kv_buffer(shape, dtype, device, capacity, pool).zero_())
 
     @property
     def capacity(self) -> int:
@@ -229,18 +235,13 @@ class KVSnapshot:
 
     def restore(self, num_tokens: int, extra_capacity: int, pool: KVPool | None = None) -> SessionState:
         """Deep-copy the first `num_tokens` into a new SessionState with room for `extra_capacity` more:
-        one copy per piece, each into its own token range, into a buffer from `pool` when given
-        (then only the part past the copy is zeroed)."""
+        one copy per piece, each into its own token range (into a buffer from `pool` when given)."""
         assert 0 < num_tokens <= self.num_tokens
         layers, two, heads, _, head_dim = self._pieces[0].kv.shape
         kv0 = self._pieces[0].kv
-        if pool is None:
-            state = SessionState.empty((layers, two, heads, head_dim), kv0.dtype, str(kv0.device),
-                                       num_tokens + extra_capacity)
-        else:
-            cap = _round_up(max(num_tokens + extra_capacity, BLOCK), BLOCK)
-            state = SessionState(pool.take((layers, two, heads, cap, head_dim), kv0.dtype, str(kv0.device)))
-            state.kv[:, :, :, num_tokens:].zero_()
+        state = SessionState(_kv_buffer((layers, two, heads, head_dim), kv0.dtype, str(kv0.device),
+                                        num_tokens + extra_capacity, pool))
+        state.kv[:, :, :, num_tokens:].zero_()  # the pieces below write the rest
         for p in self._pieces:
             if p.start >= num_tokens:
                 break
