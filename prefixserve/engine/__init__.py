@@ -82,7 +82,7 @@ def _build_core(
         from prefixserve import __version__
         from prefixserve.runner.codec import SnapshotCodec
 
-        fingerprint = tier_fingerprint(loaded.path, loaded.decoder, device)
+        fingerprint = tier_fingerprint(loaded.path, loaded.decoder, device, loaded.identity)
         if cache_config.disk_max_bytes > 0:
             from prefixserve.cache.disk import DiskTier
 
@@ -114,14 +114,15 @@ def _build_core(
     return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
 
 
-def tier_fingerprint(model_path: str, decoder: Any, device: str) -> str:
+def tier_fingerprint(model_path: str, decoder: Any, device: str, identity: str | None = None) -> str:
     """One fingerprint for every lower tier (docs/cache.md, "File format"): model bytes + the
     runtime's kernel choices (dtype, decode kernel, tile plan, device) and the CPU thread count:
     nothing shows it never changes a kernel's bits, so replicas whose counts differ keep apart
-    rather than trust each other's states."""
+    rather than trust each other's states. `identity`: the model's digest when the loader already
+    read every byte for it (not read again)."""
     import torch
 
     from prefixserve.models.prepared import file_identity  # a digest of the model's bytes
 
     threads = f"|threads={torch.get_num_threads()}" if device == "cpu" else ""
-    return f"{file_identity(model_path)}|{decoder.kernel_fingerprint()}{threads}"
+    return f"{identity or file_identity(model_path)}|{decoder.kernel_fingerprint()}{threads}"

@@ -32,6 +32,7 @@ class LoadedModel:
     arch: ArchConfig
     name: str  # default served model name
     path: str
+    identity: str | None = None  # prepared.file_identity(path) when loading already computed it
 
 
 def embedded_model_path() -> str:
@@ -130,7 +131,8 @@ def _load_gguf_cached(
     """`load_model` of a Llama-family GGUF through the prepared-model cache: the same tensors and
     tokenizer, bit for bit (tests/runner/test_prepared.py), in a second instead of ~15."""
     int4 = decode_kernel != "dense" and quant.available(dtype, device)
-    parts = prepared.key_parts(prepared.file_identity(path), dtype, device, int4)
+    identity = prepared.file_identity(path)
+    parts = prepared.key_parts(identity, dtype, device, int4)
 
     def prepare() -> tuple[Decoder, Tokenizer]:
         gm = GGUFModel(path)
@@ -142,7 +144,7 @@ def _load_gguf_cached(
              cache_dir, time.perf_counter() - t0)
     if decode_kernel == "int4" and not decoder.int4_decode:
         raise ModelLoadError(f"decode kernel int4: no weight in {path} is Q4_0, Q4_1 or Q8_0")
-    return LoadedModel(decoder, tokenizer, decoder.arch, name, path)
+    return LoadedModel(decoder, tokenizer, decoder.arch, name, path, identity)
 
 
 def gguf_decoder(gm: GGUFModel, dtype: torch.dtype, device: str, tiles: TilePlan, decode_kernel: str) -> Decoder:
