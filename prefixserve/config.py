@@ -22,6 +22,7 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when present, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # None = torch's default
+    decode_threads: int | None = None  # the 4-bit kernel's threads (models/quant.py KernelThreads); None = every usable core
     # decode rows' matmuls: int4 = the GGUF's 4-bit codes (bf16 CPU; 4x fewer bytes, but a decoded
     # token's KV then differs from a prefilled one, so finished turns are not cached); dense = the
     # same weights as prefill; auto = int4 where available
@@ -39,6 +40,8 @@ class ModelConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError("decode_threads must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

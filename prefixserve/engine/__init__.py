@@ -35,6 +35,13 @@ def build_engine(
     return AsyncEngine(core, model_id, tokenizer, detail, vocab_size, thread, model_source=source)
 
 
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def default_num_threads() -> int:
     """Torch threads when `--num-threads` is not given: every usable core but one (at least one).
 
@@ -44,11 +51,7 @@ def default_num_threads() -> int:
     1.79 s with 1; warm TTFT 290 vs 66 ms with 2 threads, 58 vs 39 ms with 1 (the HTTP server and
     tokenizer keep the spare core). OMP_WAIT_POLICY=passive instead doubles the quiet time (3.1 s).
     docs/architecture.md, "Threads"."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable - 1)
+    return max(1, usable_cores() - 1)
 
 
 def _build_core(
@@ -59,10 +62,12 @@ def _build_core(
 
     from prefixserve.cache import PrefixCache
     from prefixserve.models import load_model, resolve_device, resolve_dtype
+    from prefixserve.models.quant import KERNEL_THREADS
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest import self_test
 
     torch.set_num_threads(model_config.num_threads or default_num_threads())
+    KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, device)
     loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixserve.models import native
 from prefixserve.models.arch import ArchConfig
 from prefixserve.models.layers import (
     RopeTable,
@@ -25,6 +26,12 @@ from prefixserve.models.layers import (
     tiled,
 )
 from prefixserve.models.quant import Int4Weight, int4_linear
+from prefixserve.models.threads import KERNEL_THREADS
+
+
+def _dense(site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count)."""
+    return KERNEL_THREADS.run("dense", (site, x.shape[0]), lambda: F.linear(x, w, bias))
 
 
 @dataclass(slots=True)
@@ -89,6 +96,9 @@ class Decoder:
             ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64, device=self.device).float() / arch.head_dim)
         )
         self.rope = RopeTable(inv_freq, self.dtype)
+        # attention of every prefill and dense decode row: the native kernel (models/native.py,
+        # attention.c) where it builds, else block_attention; both row-local by construction
+        self.native_attention = native.attention_supported(arch.head_dim, self.dtype, self.device)
 
     @property
     def decode_matches_prefill(self) -> bool:
@@ -104,7 +114,11 @@ class Decoder:
     def kernel_fingerprint(self) -> str:
         """Everything of the runtime's own choices that changes a state's bits (dtype, device, decode
         kernel, tile plan, attention tiling), for the disk cache tier's file fingerprint (docs/cache.md)."""
-        return f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}|attn=block32x16"
+        return f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}|attn={self.attention_kernel}"
+
+    @property
+    def attention_kernel(self) -> str:
+        return f"native-{native.digest()}" if self.native_attention else "block32x16"
 
     def drop_int4(self) -> None:
         """Decode rows fall back to the dense prefill path (the self-test refused the 4-bit rows)."""
@@ -166,7 +180,7 @@ class Decoder:
             for g0, gn in tiles:
                 g1 = g0 + gn
                 x = rms_norm(h[g0:g1], lw.attn_norm, a.rms_eps)
-                qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+                qkv = _dense("qkv", x, lw.qkv, lw.qkv_bias)
                 gq = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
                 gk = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
                 v[g0:g1] = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
@@ -178,11 +192,11 @@ class Decoder:
             attn = self._attention(li, q, k, v, segments, total, skip=leading if nd else 0)
             for g0, gn in tiles:
                 g1 = g0 + gn
-                hg = h[g0:g1] + F.linear(attn[g0:g1], lw.o_proj)
+                hg = h[g0:g1] + _dense("o_proj", attn[g0:g1], lw.o_proj)
                 x = rms_norm(hg, lw.mlp_norm, a.rms_eps)
-                gu = F.linear(x, lw.gate_up)
+                gu = _dense("gate_up", x, lw.gate_up)
                 gate, up = gu.split(a.intermediate_size, dim=-1)
-                h[g0:g1] = hg + F.linear(F.silu(gate) * up, lw.down)
+                h[g0:g1] = hg + _dense("down", F.silu(gate) * up, lw.down)
             yield
         last_rows: list[int] = []
         offset = 0
@@ -199,7 +213,7 @@ class Decoder:
             x = tiled(h[last_rows], self.tiles.head, lambda t: rms_norm(t, self.final_norm, a.rms_eps))
             return int4_linear(x, head, out_dtype=torch.float32)
         return tiled(h[last_rows], self.tiles.head,
-                     lambda t: F.linear(rms_norm(t, self.final_norm, a.rms_eps), self.lm_head).float())
+                     lambda t: _dense("lm_head", rms_norm(t, self.final_norm, a.rms_eps), self.lm_head).float())
 
     def _decode_linear(
         self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None
@@ -208,7 +222,7 @@ class Decoder:
         layer without 4-bit codes. (Tile groups call F.linear on exactly the tile's shape.)"""
         if q4 is not None:
             return int4_linear(x, q4, bias)
-        return tiled(x, self.tiles, lambda t: F.linear(t, dense, bias))
+        return tiled(x, self.tiles, lambda t: _dense(f"decode{tuple(dense.shape)}", t, dense, bias))
 
     def _int4_decode_layer(
         self, li: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
@@ -258,9 +272,11 @@ class Decoder:
         """Write new K/V, then attend. Returns [total, q_size]; padding rows zero. The first `skip`
         segments (4-bit decode rows, `_int4_decode_layer`) are left alone.
 
-        Single-token segments attend together (`batched_decode_attention`), longer ones one by one
-        (`block_attention`); both give a row the same bits, so a dense decode row gets exactly what a
-        one-token prefill would and decode states equal prefill states by construction."""
+        With the native kernel every segment is one call (a row's bits depend on its own query and
+        keys only, attention.c). Otherwise single-token segments attend together
+        (`batched_decode_attention`), longer ones one by one (`block_attention`). Either way a dense
+        decode row gets exactly what a one-token prefill would, and decode states equal prefill
+        states by construction."""
         out = q.new_zeros(total, q.shape[1] * q.shape[2])
         singles: list[tuple[int, Segment]] = []
         offset = sum(s.num_new for s in segments[:skip])
@@ -269,7 +285,9 @@ class Decoder:
             kv = s.kv[layer]  # [2, kv_heads, capacity, head_dim]
             kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
             kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
-            if s.num_new == 1:
+            if self.native_attention:
+                out[offset:end] = native.attention(q[offset:end], kv[0], kv[1], s.start)
+            elif s.num_new == 1:
                 singles.append((offset, s))
             else:
                 out[offset:end] = block_attention(q[offset:end], kv[0], kv[1], s.start)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prefixserve.models.threads import KERNEL_THREADS
+
 GROUP = 32  # GGUF's block size, and the kernel's group size
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -107,13 +109,19 @@ def pack(pieces: list[list[Codes]]) -> Int4Weight | None:
     return Int4Weight(parts, n)
 
 
+
+
 def int4_linear(
     x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """x: [rows, K] bf16 -> [rows, out] (x's dtype unless out_dtype). Two-part (Q8_0) outputs are
-    added in fp32. Each row's bits are independent of the other rows."""
+    added in fp32. Each row's bits are independent of the other rows and of the thread count."""
     x = x.contiguous()
-    outs = [torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz) for packed, sz in w.parts]
+
+    def call() -> list[torch.Tensor]:
+        return [torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz) for packed, sz in w.parts]
+
+    outs = KERNEL_THREADS.run("int4", (id(w), x.shape[0]), call)
     y = outs[0] if len(outs) == 1 else outs[0].float() + outs[1].float()
     if y.shape[1] != w.out_features:
         y = y[:, : w.out_features]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from prefixserve.models.decoder import Decoder
 from prefixserve.models.layers import TilePlan
 from prefixserve.models.quant import Int4Weight, int4_linear
+from prefixserve.models.threads import KERNEL_THREADS
 from prefixserve.runner.runner import ModelRunner, StepItem
 from prefixserve.runner.state import SessionState
 
@@ -61,8 +62,12 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
                 dec.drop_int4()
                 why = check_invariance(runner)
         if not why:
+            kinds, why_not = check_threads(dec)
+            KERNEL_THREADS.allow(kinds)
+            if why_not:
+                notes.append(f"matmuls stay on {torch.get_num_threads()} threads ({why_not})")
             notes.insert(0, f"exact: {dec.dtype} matmuls in row tiles {plan}, decode kernel {dec.decode_kernel}, "
-                            f"{torch.get_num_threads()} threads")
+                            f"{KERNEL_THREADS.describe()}")
             return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
         notes.append(f"tiles {plan} refused: {why}")
     dec.tiles = candidates[-1]
@@ -95,6 +100,54 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
         if not torch.equal(F.linear(lone, w, bias)[size // 3], y[0]):
             return f"{name}: a row's bits depend on its neighbours in a {size}-row tile"
     return ""
+
+
+def check_threads(dec: Decoder, seed: int = 13) -> tuple[set[str], str]:
+    """Which kinds of matmul (models/threads.py) give the same bits on KERNEL_THREADS.threads as on
+    torch's count, for every call shape the runtime makes: the dense tiles of each weight (and the
+    dense lm_head's), the 4-bit weights at 1, 4 and MAX_DECODE_ROWS rows. ({kinds}, why others fail)."""
+    base, many = torch.get_num_threads(), KERNEL_THREADS.threads
+    KERNEL_THREADS.allow(set())  # every call below on exactly the count asked for
+    if many <= base or dec.device.type != "cpu" or getattr(dec, "tile_weights", None) is not None:
+        # (a hybrid model's forward, models/hybrid.py, makes no threaded calls)
+        return set(), ""
+    g = torch.Generator().manual_seed(seed)
+    lw = dec.layers[0]
+    dense = [("qkv", lw.qkv, lw.qkv_bias, dec.tiles.rows), ("o_proj", lw.o_proj, None, dec.tiles.rows),
+             ("gate_up", lw.gate_up, None, dec.tiles.rows), ("down", lw.down, None, dec.tiles.rows)]
+    if dec.lm_head_q4 is None:
+        dense.append(("lm_head", dec.lm_head, None, dec.tiles.head_rows))
+    kinds, why = set(), []
+    failed = ""
+    for name, w, bias, rows in dense:
+        x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+        if not torch.equal(KERNEL_THREADS.on(base, F.linear, x, w, bias), KERNEL_THREADS.on(many, F.linear, x, w, bias)):
+            failed = f"dense {name} tile differs between {base} and {many} threads"
+            break
+    if failed:
+        why.append(failed)
+    else:
+        kinds.add("dense")
+    int4 = [("qkv", lw.qkv_q4), ("o_proj", lw.o_q4), ("gate_up", lw.gate_up_q4), ("down", lw.down_q4),
+            ("lm_head", dec.lm_head_q4)]
+    if any(w is not None for _, w in int4):
+        failed = ""
+        for name, w4 in int4:
+            if w4 is None:
+                continue
+            k = w4.parts[0][1].shape[0] * 32  # scales_and_zeros: [K / GROUP, N_pad, 2]
+            for rows in (1, 4, MAX_DECODE_ROWS):
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                if not torch.equal(KERNEL_THREADS.on(base, int4_linear, x, w4), KERNEL_THREADS.on(many, int4_linear, x, w4)):
+                    failed = f"4-bit {name} differs between {base} and {many} threads at {rows} rows"
+                    break
+            if failed:
+                break
+        if failed:
+            why.append(failed)
+        else:
+            kinds.add("int4")
+    return kinds, "; ".join(why)
 
 
 def check_int4_rows(dec: Decoder, seed: int = 11) -> str:

@@ -74,6 +74,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "device": ("PREFIXSERVE_DEVICE", str, "auto"),
     "decode_kernel": ("PREFIXSERVE_DECODE_KERNEL", str, "auto"),
     "num_threads": ("PREFIXSERVE_NUM_THREADS", int, None),
+    "decode_threads": ("PREFIXSERVE_DECODE_THREADS", int, None),
     "max_num_seqs": ("PREFIXSERVE_MAX_NUM_SEQS", int, EngineConfig().max_num_seqs),
     "prefill_chunk_tokens": ("PREFIXSERVE_PREFILL_CHUNK_TOKENS", int, EngineConfig().prefill_chunk_tokens),
     "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
@@ -138,6 +139,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--num-threads", type=int, metavar="N",
       help="torch threads (PREFIXSERVE_NUM_THREADS; default: every usable core but one, at least one; "
            "docs/architecture.md)")
+    a("--decode-threads", type=int, metavar="N",
+      help="threads of the 4-bit decode kernel's calls, which fall back to --num-threads for a while when a "
+           "thread waits for a core (PREFIXSERVE_DECODE_THREADS; default: every usable core; docs/architecture.md)")
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
@@ -195,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
             decode_kernel=s["decode_kernel"],
             max_model_len=s["max_model_len"],
             num_threads=s["num_threads"],
+            decode_threads=s["decode_threads"],
             cache_dir=None if s["no_model_cache"] else (s["model_cache_dir"] or default_model_cache_dir(env)),
         )
         data_dir = Path(s["data_dir"] or default_data_dir(env))

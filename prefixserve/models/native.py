@@ -1,0 +1,139 @@
+"""Native kernels (attention.c), built on the machine that runs them and called through ctypes.
+
+The first process that needs them compiles the C source (`cc -O3 -march=native -ffp-contract=off`,
+about a second) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
+named by a digest of the source, the flags, the compiler's version and the CPU's flags; later starts
+load the built file. Where no compiler is found or the build fails, `library()` is None and the
+callers use their torch formulation (same contract, slower; logged once). PREFIXSERVE_NATIVE=0
+turns the kernels off.
+
+-ffp-contract=off: every fused multiply-add in the source is one it writes, never one the compiler
+chose per call site, so two inlined copies of a loop cannot round differently (docs/exactness.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+log = logging.getLogger("prefixserve.models")
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.c")
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_digest: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("PREFIXSERVE_NATIVE_DIR") or os.path.join(base, "prefixserve", "native")
+
+
+def digest() -> str:
+    """The built kernel's identity: source, flags, CPU flags (what -march=native sees). Part of the
+    tier fingerprint: a state computed by another build is another state."""
+    global _digest
+    if _digest is None:
+        h = hashlib.blake2b(digest_size=8)
+        with open(_SOURCE, "rb") as f:
+            h.update(f.read())
+        h.update(" ".join(_FLAGS).encode())
+        h.update(_cpu_flags().encode())
+        _digest = h.hexdigest()
+    return _digest
+
+
+def _build(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    name = hashlib.blake2b((digest() + version).encode(), digest_size=12).hexdigest()
+    out_dir = build_dir()
+    path = os.path.join(out_dir, f"attention-{name}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=300)
+        os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built if needed; None where they cannot be (logged once)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("PREFIXSERVE_NATIVE", "1") == "0":
+            log.info("native kernels: off (PREFIXSERVE_NATIVE=0); attention uses its torch formulation")
+            return None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            log.warning("native kernels: no C compiler (cc, gcc or $CC); attention uses its torch formulation")
+            return None
+        try:
+            lib = ctypes.CDLL(_build(cc))
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", None) or e
+            log.warning("native kernels: build failed (%s); attention uses its torch formulation", str(detail)[-800:])
+            return None
+        f = lib.attention
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+        _lib = lib
+        return lib
+
+
+def attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
+            and library() is not None)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of q: [n, heads, head_dim] at positions [start, start + n) over
+    k_cache, v_cache: [kv_heads, capacity, head_dim] (keys [0, start + n) valid). Returns
+    [n, heads * head_dim] in q's dtype; each row's bits depend on its own query and keys only
+    (attention.c). The caller checks `attention_supported`."""
+    lib = library()
+    assert lib is not None
+    n, heads, hd = q.shape
+    kv_heads, capacity = k_cache.shape[0], k_cache.shape[1]
+    if capacity < start + n:
+        raise ValueError(f"KV capacity {capacity} < {start + n} keys")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1 or k_cache.stride(1) != hd:
+        raise ValueError("K/V caches must be [kv_heads, capacity, head_dim] with contiguous rows")
+    qf = q.float().contiguous()
+    out = torch.empty(n, heads * hd, dtype=torch.float32)
+    rc = lib.attention(qf.data_ptr(), n, start, heads, kv_heads, hd, k_cache.data_ptr(), v_cache.data_ptr(),
+                       k_cache.stride(0), int(k_cache.dtype == torch.bfloat16), hd**-0.5, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("native attention: out of memory")
+    return out.to(q.dtype)

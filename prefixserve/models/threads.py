@@ -1,0 +1,106 @@
+"""More threads for the big matmuls than for everything else, without ever changing a bit.
+
+torch runs on one thread on 2 cores (engine.default_num_threads): an OpenMP team waits at each of
+a forward's ~1,000 parallel regions for all its threads, so with every core in the team, a core
+taken by another process stalls every region (docs/architecture.md, "Threads"). But a forward's
+time is mostly a few large calls: the 4-bit decode matmuls and the dense prefill tiles. Those
+calls, and only those, run on `threads` (every usable core by default, `--decode-threads`).
+
+Exactness: these kernels split their output columns between threads and reduce each output in
+one fixed loop, so on the machines measured their bits do not depend on the thread count (bf16
+tiles of 64 and 16 rows and the int4 kernel, Intel Xeon AMX: 1 and 2 threads equal). That is a
+property of the BLAS build and the CPU, not a promise, so the start-up self-test checks every call
+shape in use at both counts (runner/selftest.py `check_threads`), and a kind of call runs on more
+threads only once it passed (`allow`).
+
+Stalls: each threaded call is timed; one that takes STALL_FACTOR times the fastest of its kind
+(same call site and shape) plus STALL_SLACK_S (about a scheduler time slice: what waiting for a
+taken core costs) is a stall. STALLS_TO_BACK_OFF stalls within STALL_WINDOW_S mean another process
+holds a core (then nearly every call stalls); fewer are the VM or a page fault (an idle 2-core VM
+showed one or two 1-2.5 ms stalls a second). Calls then run on torch's count for BACKOFF_S seconds
+before trying again. Switching costs ~0.2 us and no bits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+KINDS = ("int4", "dense")  # the 4-bit decode matmuls; the dense prefill tiles (and the dense lm_head)
+
+
+class KernelThreads:
+    STALL_FACTOR = 4.0
+    STALL_SLACK_S = 1e-3
+    STALLS_TO_BACK_OFF = 5
+    STALL_WINDOW_S = 1.0
+    BACKOFF_S = 2.0
+
+    def __init__(self) -> None:
+        self.threads = 1
+        self.allowed: set[str] = set()  # kinds the self-test showed thread-count invariant
+        self.backoff_until = 0.0
+        self.stalls = 0
+        self.backoffs = 0
+        self._recent_stalls: deque[float] = deque(maxlen=self.STALLS_TO_BACK_OFF)
+        self._fastest: dict[Hashable, float] = {}
+
+    def configure(self, threads: int) -> None:
+        """Threads for the allowed kinds; nothing is allowed until `allow` (the self-test)."""
+        self.threads = max(1, threads)
+        self.allowed = set()
+        self._fastest.clear()
+
+    def allow(self, kinds: set[str]) -> None:
+        self.allowed = set(kinds)
+
+    def describe(self) -> str:
+        """For /health and the log: which calls run on how many threads."""
+        base = torch.get_num_threads()
+        if self.threads <= base or not self.allowed:
+            return f"{base} threads"
+        return f"{base} threads ({', '.join(sorted(self.allowed))} matmuls on {self.threads})"
+
+    def run(self, kind: str, key: Hashable, fn: Callable[[], T]) -> T:
+        base = torch.get_num_threads()
+        if kind not in self.allowed or self.threads <= base or time.monotonic() < self.backoff_until:
+            return fn()
+        torch.set_num_threads(self.threads)
+        try:
+            t0 = time.perf_counter()
+            y = fn()
+            took = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(base)
+        fastest = self._fastest.get(key)
+        if fastest is None or took < fastest:
+            self._fastest[key] = took
+        elif took > self.STALL_FACTOR * fastest + self.STALL_SLACK_S:
+            self._stalled()
+        return y
+
+    def _stalled(self) -> None:
+        self.stalls += 1
+        now = time.monotonic()
+        self._recent_stalls.append(now)
+        if len(self._recent_stalls) == self.STALLS_TO_BACK_OFF and now - self._recent_stalls[0] < self.STALL_WINDOW_S:
+            self.backoffs += 1
+            self.backoff_until = now + self.BACKOFF_S
+            self._recent_stalls.clear()
+
+    def on(self, threads: int, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on exactly `threads` threads (the self-test's comparisons)."""
+        base = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(base)
+
+
+KERNEL_THREADS = KernelThreads()

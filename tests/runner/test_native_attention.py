@@ -1,0 +1,109 @@
+"""The native attention kernel (models/native.py, attention.c): it computes what attention is, and a
+row's bits depend on its own query and keys only -- the exactness contract's attention rule by
+construction (docs/exactness.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from prefixserve.models import native
+from prefixserve.models.layers import block_attention
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native kernels are not built")
+
+
+def cache(kv_heads: int, keys: int, hd: int, dtype: torch.dtype, capacity: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.zeros(2, kv_heads, capacity, hd, dtype=dtype)
+    kv[:, :, :keys] = torch.randn(2, kv_heads, keys, hd, generator=g).to(dtype)
+    return kv
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal softmax attention in float64."""
+    n, heads, hd = q.shape
+    rep = heads // k.shape[0]
+    kk = k[:, : start + n].double().repeat_interleave(rep, 0)  # [heads, keys, hd]
+    vv = v[:, : start + n].double().repeat_interleave(rep, 0)
+    s = torch.einsum("nhd,hkd->hnk", q.double(), kk) * hd**-0.5
+    pos = torch.arange(start, start + n).view(1, n, 1)
+    s = s.masked_fill(torch.arange(start + n).view(1, 1, -1) > pos, float("-inf"))
+    return torch.einsum("hnk,hkd->nhd", torch.softmax(s, -1), vv).reshape(n, heads * hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 32), (2, 1, 80)])
+def test_attention_is_attention(dtype, heads, kv_heads, hd):
+    keys, start = 300, 211
+    kv = cache(kv_heads, keys, hd, dtype, capacity=352)
+    q = torch.randn(keys - start, heads, hd, generator=torch.Generator().manual_seed(1)).to(dtype) * 2
+    got = native.attention(q, kv[0], kv[1], start)
+    want = reference(q, kv[0], kv[1], start)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the result is rounded to bf16
+    assert got.dtype == dtype and got.shape == (keys - start, heads * hd)
+    assert (got.double() - want).abs().max().item() < tol
+    # and agrees with the torch formulation it replaces to the same tolerance
+    assert (got.double() - block_attention(q, kv[0], kv[1], start).double()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_bits_depend_on_its_own_query_and_keys_only(dtype):
+    """Alone, in chunks that start anywhere, beside any neighbours, with any capacity and any garbage
+    past its last key: the same bits."""
+    heads, kv_heads, hd, keys = 9, 3, 64, 517
+    kv = cache(kv_heads, keys, hd, dtype, capacity=544)
+    q = torch.randn(keys, heads, hd, generator=torch.Generator().manual_seed(2)).to(dtype)
+    full = native.attention(q, kv[0], kv[1], 0)
+    bigger = torch.full((2, kv_heads, 1024, hd), 1e30).to(dtype)  # huge finite values past the keys
+    for row in (0, 1, 15, 16, 17, 255, 300, 516):
+        assert torch.equal(native.attention(q[row : row + 1], kv[0], kv[1], row)[0], full[row])
+        for lo in (max(0, row - 40), max(0, row - 3)):
+            hi = min(keys, row + 9)
+            assert torch.equal(native.attention(q[lo:hi], kv[0], kv[1], lo)[row - lo], full[row])
+        bigger[:, :, : row + 1] = kv[:, :, : row + 1]
+        assert torch.equal(native.attention(q[row : row + 1], bigger[0], bigger[1], row)[0], full[row])
+    # another query at a neighbouring row does not change this one's result
+    q2 = q.clone()
+    q2[101] = -q2[101]
+    assert torch.equal(native.attention(q2[90:120], kv[0], kv[1], 90)[100 - 90], full[100])
+
+
+def test_bad_caches_are_refused():
+    kv = cache(3, 40, 64, torch.float32, capacity=64)
+    q = torch.randn(8, 9, 64)
+    with pytest.raises(ValueError, match="capacity"):
+        native.attention(q, kv[0], kv[1], 60)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), 0)
+
+
+def test_unsupported_shapes_and_devices_use_the_torch_formulation():
+    assert native.attention_supported(64, torch.bfloat16, torch.device("cpu"))
+    assert not native.attention_supported(8, torch.float32, torch.device("cpu"))  # head_dim not a multiple of 16
+    assert not native.attention_supported(64, torch.float16, torch.device("cpu"))
+    assert not native.attention_supported(64, torch.float32, torch.device("meta"))
+
+
+def _library_in_fresh_process(tmp_path, **env: str) -> str:
+    code = "from prefixserve.models import native; print(native.library() is not None)"
+    run_env = {**os.environ, "PREFIXSERVE_NATIVE_DIR": str(tmp_path / "build"), **env}
+    out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300,
+                         check=True)
+    return out.stdout.strip() + "\n" + out.stderr
+
+
+def test_no_compiler_or_a_failed_build_falls_back_with_a_warning(tmp_path):
+    out = _library_in_fresh_process(tmp_path, CC="/bin/false")
+    assert out.startswith("False") and "build failed" in out
+    out = _library_in_fresh_process(tmp_path, PREFIXSERVE_NATIVE="0")
+    assert out.startswith("False")
+    out = _library_in_fresh_process(tmp_path)
+    assert out.startswith("True")
+    built = os.listdir(tmp_path / "build")
+    assert len([f for f in built if f.endswith(".so")]) == 1 and not [f for f in built if f.startswith(".build-")]
+    assert _library_in_fresh_process(tmp_path).startswith("True")  # the second process loads the built file
