@@ -66,8 +66,9 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
             KERNEL_THREADS.allow(kinds)
             if why_not:
                 notes.append(f"matmuls stay on {torch.get_num_threads()} threads ({why_not})")
+            attention = "native" if getattr(dec, "native_attention", False) else "torch blocks"
             notes.insert(0, f"exact: {dec.dtype} matmuls in row tiles {plan}, decode kernel {dec.decode_kernel}, "
-                            f"{KERNEL_THREADS.describe()}")
+                            f"attention {attention}, {KERNEL_THREADS.describe()}")
             return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
         notes.append(f"tiles {plan} refused: {why}")
     dec.tiles = candidates[-1]
