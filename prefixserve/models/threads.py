@@ -16,9 +16,11 @@ threads only once it passed (`allow`).
 Stalls: each threaded call is timed; one that takes STALL_FACTOR times the fastest of its kind
 (same call site and shape) plus STALL_SLACK_S (about a scheduler time slice: what waiting for a
 taken core costs) is a stall. STALLS_TO_BACK_OFF stalls within STALL_WINDOW_S mean another process
-holds a core (then nearly every call stalls); fewer are the VM or a page fault (an idle 2-core VM
-showed one or two 1-2.5 ms stalls a second). Calls then run on torch's count for BACKOFF_S seconds
-before trying again. Switching costs ~0.2 us and no bits.
+holds a core: then nearly every call stalls (hundreds a second). Fewer are the server's own other
+threads or the VM: an idle 2-core VM showed one or two 1-2.5 ms stalls a second, a server
+streaming one 256-token answer over HTTP up to 6 a second (its event loop and the client share
+the second core); backing off at 5 a second cost that stream 86 -> 69 tokens/s. Calls then run on
+torch's count for BACKOFF_S seconds before trying again. Switching costs ~0.2 us and no bits.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ KINDS = ("int4", "dense")  # the 4-bit decode matmuls; the dense prefill tiles (
 class KernelThreads:
     STALL_FACTOR = 4.0
     STALL_SLACK_S = 1e-3
-    STALLS_TO_BACK_OFF = 5
+    STALLS_TO_BACK_OFF = 20
     STALL_WINDOW_S = 1.0
     BACKOFF_S = 2.0
 
@@ -91,6 +93,7 @@ class KernelThreads:
         if len(self._recent_stalls) == self.STALLS_TO_BACK_OFF and now - self._recent_stalls[0] < self.STALL_WINDOW_S:
             self.backoffs += 1
             self.backoff_until = now + self.BACKOFF_S
+
             self._recent_stalls.clear()
 
     def on(self, threads: int, fn: Callable[..., T], *args: object) -> T:
