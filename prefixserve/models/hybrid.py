@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixserve.models import native
 from prefixserve.models.decoder import Decoder, Segment
 from prefixserve.models.gated_delta import CELL, conv_silu, delta_cell, l2norm
 from prefixserve.models.hybrid_arch import HybridConfig
@@ -92,12 +93,19 @@ class HybridDecoder:
         rot = arch.rotary_dim
         inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64, device=self.device).float() / rot))
         self.rope = RopeTable(inv_freq, self.dtype)
+        # the attention layers run the Llama decoder's attention (Decoder._attention), and so its
+        # choice of kernel: attention.c where it builds, else block attention
+        self.native_attention = native.attention_supported(arch.head_dim, self.dtype, self.device)
 
     decode_matches_prefill = True
     decode_kernel = "dense"
+    @property
+    def attention_kernel(self) -> str:
+        return f"native-{native.digest()}" if self.native_attention else "block32x16"
 
     def kernel_fingerprint(self) -> str:
-        return f"{self.dtype}|{self.device.type}|decode=dense|tiles={self.tiles}|attn=block32x16|delta=cell{CELL}"
+        return (f"{self.dtype}|{self.device.type}|decode=dense|tiles={self.tiles}|attn={self.attention_kernel}"
+                f"|delta=cell{CELL}")
 
     def drop_int4(self) -> None:
         pass

@@ -46,7 +46,15 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
     t0 = time.perf_counter()
     dec = runner.decoder
     notes: list[str] = []
+    KERNEL_THREADS.allow(set())
+    threads_why: list[str] = []
+    # thread counts first, so the row and end-to-end checks below run on the counts the runtime will
+    # use (and run faster): the 4-bit kernel's calls now, the dense tiles once a plan is picked
+    int4_kinds: set[str] = set()
     if dec.int4_decode:
+        int4_kinds, why = check_threads(dec, {"int4"})
+        threads_why += [why] if why else []
+        KERNEL_THREADS.allow(int4_kinds)
         why = check_int4_rows(dec)
         if why:
             notes.append(f"4-bit decode refused ({why}); decode rows run the dense prefill path")
@@ -56,20 +64,23 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
         dec.tiles = plan
         why = check_tile_rows(dec, plan)
         if not why:
+            dense_kinds, dense_why = check_threads(dec, {"dense"})
+            KERNEL_THREADS.allow(int4_kinds | dense_kinds)
             why = check_invariance(runner)
             if why and dec.int4_decode and why.startswith("decode"):
                 notes.append(f"4-bit decode refused ({why}); decode rows run the dense prefill path")
                 dec.drop_int4()
                 why = check_invariance(runner)
         if not why:
-            kinds, why_not = check_threads(dec)
-            KERNEL_THREADS.allow(kinds)
-            if why_not:
-                notes.append(f"matmuls stay on {torch.get_num_threads()} threads ({why_not})")
+            if dense_why:
+                threads_why.append(dense_why)
+            if threads_why:
+                notes.append(f"matmuls stay on {torch.get_num_threads()} threads where ({'; '.join(threads_why)})")
             attention = "native" if getattr(dec, "native_attention", False) else "torch blocks"
             notes.insert(0, f"exact: {dec.dtype} matmuls in row tiles {plan}, decode kernel {dec.decode_kernel}, "
                             f"attention {attention}, {KERNEL_THREADS.describe()}")
             return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
+        KERNEL_THREADS.allow(int4_kinds)
         notes.append(f"tiles {plan} refused: {why}")
     dec.tiles = candidates[-1]
     notes.insert(0, "NOT exact on this machine; cross-request reuse is disabled")
@@ -103,35 +114,45 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
     return ""
 
 
-def check_threads(dec: Decoder, seed: int = 13) -> tuple[set[str], str]:
-    """Which kinds of matmul (models/threads.py) give the same bits on KERNEL_THREADS.threads as on
-    torch's count, for every call shape the runtime makes: the dense tiles of each weight (and the
-    dense lm_head's), the 4-bit weights at 1, 4 and MAX_DECODE_ROWS rows. ({kinds}, why others fail)."""
+def check_threads(dec: Decoder, kinds: set[str], seed: int = 13) -> tuple[set[str], str]:
+    """Which of `kinds` of matmul (models/threads.py) give the same bits on KERNEL_THREADS.threads as
+    on torch's count, for every call shape the runtime makes: "dense", the plan's tiles of each
+    weight (and the dense lm_head's); "int4", the 4-bit weights at 1, 4 and MAX_DECODE_ROWS rows.
+    Returns (the kinds that passed, why the others did not)."""
     base, many = torch.get_num_threads(), KERNEL_THREADS.threads
-    KERNEL_THREADS.allow(set())  # every call below on exactly the count asked for
     if many <= base or dec.device.type != "cpu" or getattr(dec, "tile_weights", None) is not None:
         # (a hybrid model's forward, models/hybrid.py, makes no threaded calls)
         return set(), ""
+    allowed = KERNEL_THREADS.allowed
+    KERNEL_THREADS.allow(set())  # every call below on exactly the count asked for
+    try:
+        return _check_threads(dec, kinds, base, many, seed)
+    finally:
+        KERNEL_THREADS.allow(allowed)
+
+
+def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: int) -> tuple[set[str], str]:
     g = torch.Generator().manual_seed(seed)
     lw = dec.layers[0]
-    dense = [("qkv", lw.qkv, lw.qkv_bias, dec.tiles.rows), ("o_proj", lw.o_proj, None, dec.tiles.rows),
-             ("gate_up", lw.gate_up, None, dec.tiles.rows), ("down", lw.down, None, dec.tiles.rows)]
-    if dec.lm_head_q4 is None:
-        dense.append(("lm_head", dec.lm_head, None, dec.tiles.head_rows))
-    kinds, why = set(), []
-    failed = ""
-    for name, w, bias, rows in dense:
-        x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
-        if not torch.equal(KERNEL_THREADS.on(base, F.linear, x, w, bias), KERNEL_THREADS.on(many, F.linear, x, w, bias)):
-            failed = f"dense {name} tile differs between {base} and {many} threads"
-            break
-    if failed:
-        why.append(failed)
-    else:
-        kinds.add("dense")
+    passed, why = set(), []
+    if "dense" in kinds:
+        dense = [("qkv", lw.qkv, lw.qkv_bias, dec.tiles.rows), ("o_proj", lw.o_proj, None, dec.tiles.rows),
+                 ("gate_up", lw.gate_up, None, dec.tiles.rows), ("down", lw.down, None, dec.tiles.rows)]
+        if dec.lm_head_q4 is None:
+            dense.append(("lm_head", dec.lm_head, None, dec.tiles.head_rows))
+        failed = ""
+        for name, w, bias, rows in dense:
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+            if not torch.equal(KERNEL_THREADS.on(base, F.linear, x, w, bias), KERNEL_THREADS.on(many, F.linear, x, w, bias)):
+                failed = f"dense {name} tile differs between {base} and {many} threads"
+                break
+        if failed:
+            why.append(failed)
+        else:
+            passed.add("dense")
     int4 = [("qkv", lw.qkv_q4), ("o_proj", lw.o_q4), ("gate_up", lw.gate_up_q4), ("down", lw.down_q4),
             ("lm_head", dec.lm_head_q4)]
-    if any(w is not None for _, w in int4):
+    if "int4" in kinds and any(w is not None for _, w in int4):
         failed = ""
         for name, w4 in int4:
             if w4 is None:
@@ -147,8 +168,8 @@ def check_threads(dec: Decoder, seed: int = 13) -> tuple[set[str], str]:
         if failed:
             why.append(failed)
         else:
-            kinds.add("int4")
-    return kinds, "; ".join(why)
+            passed.add("int4")
+    return passed, "; ".join(why)
 
 
 def check_int4_rows(dec: Decoder, seed: int = 11) -> str:

@@ -65,7 +65,7 @@ def test_the_self_test_allows_a_kind_only_where_its_bits_hold(base_one, monkeypa
     hf = HFModel(str(tmp_path))
     dec = build_decoder(hf.arch, hf.tensor, torch.float32, "cpu", TilePlan())
     monkeypatch.setattr(selftest.KERNEL_THREADS, "threads", 2)
-    kinds, why = selftest.check_threads(dec)
+    kinds, why = selftest.check_threads(dec, {"dense", "int4"})
     if "dense" not in kinds:
         assert "dense" in why  # refused, with its reason
     # a kernel whose bits change with the thread count is refused
@@ -76,8 +76,8 @@ def test_the_self_test_allows_a_kind_only_where_its_bits_hold(base_one, monkeypa
         return y + 1e-6 if threads == 2 else y
 
     monkeypatch.setattr(selftest.KERNEL_THREADS, "on", drifting)
-    kinds, why = selftest.check_threads(dec)
+    kinds, why = selftest.check_threads(dec, {"dense", "int4"})
     assert "dense" not in kinds and "differs between 1 and 2 threads" in why
     # one thread configured: nothing to check, nothing allowed
     monkeypatch.setattr(selftest.KERNEL_THREADS, "threads", 1)
-    assert selftest.check_threads(dec) == (set(), "")
+    assert selftest.check_threads(dec, {"dense", "int4"}) == (set(), "")
