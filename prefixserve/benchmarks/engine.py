@@ -9,8 +9,10 @@ from typing import Any, cast
 
 import torch
 
+from prefixserve.engine import default_num_threads, usable_cores
 from prefixserve.models import load_model
 from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.threads import KERNEL_THREADS
 from prefixserve.runner import ModelRunner, SessionState, StepItem
 from prefixserve.runner.selftest import self_test
 
@@ -18,13 +20,14 @@ PREFILL_CHUNK = 256  # the engine's default prefill chunk
 
 
 def bench_engine(quick: bool = False, num_threads: int | None = None, print_fn: Callable[[str], object] = print) -> None:
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    torch.set_num_threads(num_threads or default_num_threads())  # as the server: engine.default_num_threads
+    KERNEL_THREADS.configure(usable_cores())  # and its --decode-threads default
     reps = 2 if quick else 3
     rows = []
     tile_notes: list[str] = []
+    roofline: list[str] = []
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        ours = _ours(dtype, reps, quick, tile_notes)
+        ours = _ours(dtype, reps, quick, tile_notes, roofline)
         ref = _transformers(dtype, reps, quick)
         for key, label, better in (("prefill512", "prefill 512 tok (tok/s)", "higher"),
                                    ("prefill2048", "prefill 2048 tok (tok/s)", "higher"),
@@ -48,6 +51,49 @@ def bench_engine(quick: bool = False, num_threads: int | None = None, print_fn: 
     for dtype_name, label, o, _, _ in rows:
         if label.startswith("decode 1"):
             print_fn(f"{dtype_name} single-session decode: {1000 / o:.1f} tokens/s")
+    bandwidth = memory_bandwidth(KERNEL_THREADS.threads)
+    print_fn(f"\nRoofline: memory read bandwidth {bandwidth / 1e9:.1f} GB/s ({KERNEL_THREADS.threads} threads, "
+             "summing a 1 GiB tensor); a decode step must read every weight it multiplies once")
+    print_fn("| dtype | weight bytes read per token | roofline tokens/s | measured tokens/s | of roofline |")
+    print_fn("|---|---:|---:|---:|---:|")
+    for line in roofline:
+        dtype_name, weight_bytes, ms = line.split("|")
+        limit = bandwidth / float(weight_bytes)
+        got = 1000 / float(ms)
+        print_fn(f"| {dtype_name} | {float(weight_bytes) / 1e6:,.1f} MB | {limit:,.1f} | {got:,.1f} | {got / limit:.0%} |")
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0) -> float:
+    """Bytes per second read by a sum over a tensor far larger than the caches (median of 5)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    base = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x.sum()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(base)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def decode_weight_bytes(decoder: Any) -> int:
+    """Bytes of weights one decode row multiplies: the 4-bit packs where decode rows run them, else
+    the dense matrices (tied embeddings counted once, as the lm_head)."""
+    total = 0
+    for lw in decoder.layers:
+        for dense, q4 in ((lw.qkv, lw.qkv_q4), (lw.o_proj, lw.o_q4), (lw.gate_up, lw.gate_up_q4), (lw.down, lw.down_q4)):
+            total += _int4_bytes(q4) if q4 is not None else dense.numel() * dense.element_size()
+    head = decoder.lm_head_q4
+    total += _int4_bytes(head) if head is not None else decoder.lm_head.numel() * decoder.lm_head.element_size()
+    return total
+
+
+def _int4_bytes(w: Any) -> int:
+    return sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz in w.parts)
 
 
 def _median(fn: Callable[[], float], reps: int) -> float:
@@ -76,10 +122,10 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(ext) or 'no AVX'})"
 
 
-def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str]) -> dict[str, float]:
+def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str], roofline: list[str]) -> dict[str, float]:
     m = load_model(None, dtype)
     runner = ModelRunner(m.decoder)
-    result = self_test(runner)  # the tile plan and decode kernel the server would use here
+    result = self_test(runner)  # the tile plan, decode kernel and thread counts the server would use here
     notes.append(f"{dtype}: self-test {'passed' if result.ok else 'FAILED'} in {result.seconds:.1f}s: {result.detail}")
     g = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
@@ -108,6 +154,7 @@ def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str]) -> dict[
             return (time.perf_counter() - t0) / steps
 
         out[f"decode{batch}"] = 1000 * _median(decode, 1)
+    roofline.append(f"{str(dtype).removeprefix('torch.')}|{decode_weight_bytes(m.decoder)}|{out['decode1']}")
     return out
 
 
