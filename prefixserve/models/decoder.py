@@ -286,7 +286,8 @@ class Decoder:
             kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
             kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
             if self.native_attention:
-                out[offset:end] = native.attention(q[offset:end], kv[0], kv[1], s.start)
+                out[offset:end] = native.attention(q[offset:end], kv[0], kv[1], s.start,
+                                                   KERNEL_THREADS.parallel_ways("attention"), KERNEL_THREADS.parallel)
             elif s.num_new == 1:
                 singles.append((offset, s))
             else:

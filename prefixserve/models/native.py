@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -117,11 +119,18 @@ def attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device)
             and library() is not None)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+SPLIT_MIN_WORK = 16384  # rows x keys below which a call is not split between threads
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, ways: int = 1,
+              parallel: Callable[[list[Callable[[], None]]], None] | None = None) -> torch.Tensor:
     """Causal attention of q: [n, heads, head_dim] at positions [start, start + n) over
     k_cache, v_cache: [kv_heads, capacity, head_dim] (keys [0, start + n) valid). Returns
     [n, heads * head_dim] in q's dtype; each row's bits depend on its own query and keys only
-    (attention.c). The caller checks `attention_supported`."""
+    (attention.c). The caller checks `attention_supported`.
+
+    ways > 1: the rows are cut into that many parts of about equal work (a row's work grows with
+    its position) and `parallel` runs them at once (models/threads.py); the same bits."""
     lib = library()
     assert lib is not None
     n, heads, hd = q.shape
@@ -132,8 +141,38 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         raise ValueError("K/V caches must be [kv_heads, capacity, head_dim] with contiguous rows")
     qf = q.float().contiguous()
     out = torch.empty(n, heads * hd, dtype=torch.float32)
-    rc = lib.attention(qf.data_ptr(), n, start, heads, kv_heads, hd, k_cache.data_ptr(), v_cache.data_ptr(),
-                       k_cache.stride(0), int(k_cache.dtype == torch.bfloat16), hd**-0.5, out.data_ptr())
-    if rc != 0:
+    failed: list[int] = []
+    row_floats = heads * hd
+
+    def part(r0: int, r1: int) -> Callable[[], None]:
+        def call() -> None:
+            rc = lib.attention(qf.data_ptr() + 4 * r0 * row_floats, r1 - r0, start + r0, heads, kv_heads, hd,
+                               k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                               int(k_cache.dtype == torch.bfloat16), hd**-0.5, out.data_ptr() + 4 * r0 * row_floats)
+            if rc != 0:
+                failed.append(rc)
+        return call
+
+    bounds = _split(n, start, ways) if ways > 1 and parallel is not None and n * (start + n) >= SPLIT_MIN_WORK else [0, n]
+    calls = [part(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    if len(calls) > 1 and parallel is not None:
+        parallel(calls)
+    else:
+        for c in calls:
+            c()
+    if failed:
         raise MemoryError("native attention: out of memory")
     return out.to(q.dtype)
+
+
+def _split(n: int, start: int, ways: int) -> list[int]:
+    """Row boundaries [0, ..., n] cutting rows of work ~ (start + i + 1) keys into `ways` equal parts."""
+    total = n * start + n * (n + 1) / 2
+    bounds, done, i = [0], 0.0, 0
+    for w in range(1, ways):
+        while i < n and done + start + i + 1 <= total * w / ways:
+            done += start + i + 1
+            i += 1
+        bounds.append(i)
+    bounds.append(n)
+    return bounds

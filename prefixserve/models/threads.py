@@ -4,11 +4,13 @@ torch runs on one thread on 2 cores (engine.default_num_threads): an OpenMP team
 a forward's ~1,000 parallel regions for all its threads, so with every core in the team, a core
 taken by another process stalls every region (docs/architecture.md, "Threads"). But a forward's
 time is mostly a few large calls: the 4-bit decode matmuls and the dense prefill tiles. Those
-calls, and only those, run on `threads` (every usable core by default, `--decode-threads`).
+calls, and only those, run on `threads` (every usable core by default, `--decode-threads`); the
+native attention kernel's calls are split by rows into that many parts run at once (`parallel`).
 
 Exactness: these kernels split their output columns between threads and reduce each output in
 one fixed loop, so on the machines measured their bits do not depend on the thread count (bf16
-tiles of 64 and 16 rows and the int4 kernel, Intel Xeon AMX: 1 and 2 threads equal). That is a
+tiles of 64 and 16 rows and the int4 kernel, Intel Xeon AMX: 1 and 2 threads equal). The native
+attention computes each row on its own (attention.c), so a split by rows cannot change a bit. That is a
 property of the BLAS build and the CPU, not a promise, so the start-up self-test checks every call
 shape in use at both counts (runner/selftest.py `check_threads`), and a kind of call runs on more
 threads only once it passed (`allow`).
@@ -28,12 +30,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
 T = TypeVar("T")
-KINDS = ("int4", "dense")  # the 4-bit decode matmuls; the dense prefill tiles (and the dense lm_head)
+# the 4-bit decode matmuls; the dense prefill tiles (and the dense lm_head); the native attention
+# kernel's calls, split by rows between this thread and a pool (`parallel`)
+KINDS = ("int4", "dense", "attention")
 
 
 class KernelThreads:
@@ -51,12 +56,41 @@ class KernelThreads:
         self.backoffs = 0
         self._recent_stalls: deque[float] = deque(maxlen=self.STALLS_TO_BACK_OFF)
         self._fastest: dict[Hashable, float] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     def configure(self, threads: int) -> None:
         """Threads for the allowed kinds; nothing is allowed until `allow` (the self-test)."""
         self.threads = max(1, threads)
         self.allowed = set()
         self._fastest.clear()
+
+    def parallel_ways(self, kind: str) -> int:
+        """How many parts `parallel` would run at once for `kind` now (1: all on this thread)."""
+        if kind not in self.allowed or self.threads <= 1 or time.monotonic() < self.backoff_until:
+            return 1
+        return self.threads
+
+    def parallel(self, fns: list[Callable[[], None]]) -> None:
+        """Run independent parts (each writes its own output; ctypes calls, which release the GIL)
+        fns[0] on this thread, the others on a pool. A part that finishes STALL_FACTOR times this
+        thread's time plus STALL_SLACK_S after it counts as a stall, as in `run`."""
+        if len(fns) == 1:
+            fns[0]()
+            return
+        if self._pool is None or self._pool_size < len(fns) - 1:
+            self._pool = ThreadPoolExecutor(len(fns) - 1, thread_name_prefix="prefixserve-kernel")
+            self._pool_size = len(fns) - 1
+        futures = [self._pool.submit(f) for f in fns[1:]]
+        t0 = time.perf_counter()
+        try:
+            fns[0]()
+        finally:
+            mine = time.perf_counter() - t0
+            for f in futures:
+                f.result()
+        if time.perf_counter() - t0 - mine > self.STALL_FACTOR * mine + self.STALL_SLACK_S:
+            self._stalled()
 
     def allow(self, kinds: set[str]) -> None:
         self.allowed = set(kinds)
@@ -66,7 +100,7 @@ class KernelThreads:
         base = torch.get_num_threads()
         if self.threads <= base or not self.allowed:
             return f"{base} threads"
-        return f"{base} threads ({', '.join(sorted(self.allowed))} matmuls on {self.threads})"
+        return f"{base} threads ({', '.join(sorted(self.allowed))} calls on {self.threads})"
 
     def run(self, kind: str, key: Hashable, fn: Callable[[], T]) -> T:
         base = torch.get_num_threads()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixserve.models import native
 from prefixserve.models.decoder import Decoder
 from prefixserve.models.layers import TilePlan
 from prefixserve.models.quant import Int4Weight, int4_linear
@@ -64,7 +65,7 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
         dec.tiles = plan
         why = check_tile_rows(dec, plan)
         if not why:
-            dense_kinds, dense_why = check_threads(dec, {"dense"})
+            dense_kinds, dense_why = check_threads(dec, {"dense", "attention"})
             KERNEL_THREADS.allow(int4_kinds | dense_kinds)
             why = check_invariance(runner)
             if why and dec.int4_decode and why.startswith("decode"):
@@ -117,7 +118,8 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
 def check_threads(dec: Decoder, kinds: set[str], seed: int = 13) -> tuple[set[str], str]:
     """Which of `kinds` of matmul (models/threads.py) give the same bits on KERNEL_THREADS.threads as
     on torch's count, for every call shape the runtime makes: "dense", the plan's tiles of each
-    weight (and the dense lm_head's); "int4", the 4-bit weights at 1, 4 and MAX_DECODE_ROWS rows.
+    weight (and the dense lm_head's); "int4", the 4-bit weights at 1, 4 and MAX_DECODE_ROWS rows;
+    "attention", a native attention call split between threads against the whole call.
     Returns (the kinds that passed, why the others did not)."""
     base, many = torch.get_num_threads(), KERNEL_THREADS.threads
     if many <= base or dec.device.type != "cpu" or getattr(dec, "tile_weights", None) is not None:
@@ -169,6 +171,16 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
             why.append(failed)
         else:
             passed.add("int4")
+    if "attention" in kinds and getattr(dec, "native_attention", False):
+        a = dec.arch
+        start, rows = 600, 40  # past native.SPLIT_MIN_WORK, so the call is split
+        kv = torch.randn(2, a.num_kv_heads, start + rows, a.head_dim, generator=g).to(dec.dtype)
+        q = torch.randn(rows, a.num_heads, a.head_dim, generator=g).to(dec.dtype)
+        whole = native.attention(q, kv[0], kv[1], start)
+        if torch.equal(native.attention(q, kv[0], kv[1], start, many, KERNEL_THREADS.parallel), whole):
+            passed.add("attention")
+        else:
+            why.append(f"native attention split {many} ways differs")
     return passed, "; ".join(why)
 
 

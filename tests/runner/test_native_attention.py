@@ -107,3 +107,18 @@ def test_no_compiler_or_a_failed_build_falls_back_with_a_warning(tmp_path):
     built = os.listdir(tmp_path / "build")
     assert len([f for f in built if f.endswith(".so")]) == 1 and not [f for f in built if f.startswith(".build-")]
     assert _library_in_fresh_process(tmp_path).startswith("True")  # the second process loads the built file
+
+
+def test_a_call_split_between_threads_gives_the_same_bits():
+    from prefixserve.models.threads import KernelThreads
+
+    kt = KernelThreads()
+    kv = cache(3, 900, 64, torch.bfloat16, capacity=960)
+    q = torch.randn(300, 9, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = native.attention(q, kv[0], kv[1], 600)
+    for ways in (2, 3, 5):
+        assert torch.equal(native.attention(q, kv[0], kv[1], 600, ways, kt.parallel), whole)
+    bounds = native._split(300, 600, 2)
+    work = [sum(600 + i + 1 for i in range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and bounds[-1] == 300 and abs(work[0] - work[1]) <= 2 * 900  # equal halves, to within a row or two
+    assert native._split(1, 5000, 2) == [0, 0, 1]  # one row: one part runs it, the empty one is skipped

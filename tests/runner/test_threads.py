@@ -35,7 +35,7 @@ def test_only_allowed_kinds_run_on_more_threads(base_one):
     kt.run("int4", "b", lambda: seen.append(torch.get_num_threads()))
     assert seen == [1, 2, 1]
     assert torch.get_num_threads() == 1  # restored after every call
-    assert kt.describe() == "1 threads (dense matmuls on 2)"
+    assert kt.describe() == "1 threads (dense calls on 2)"
 
 
 def test_stalls_back_off_only_when_they_keep_coming(base_one):
