@@ -94,6 +94,35 @@ static inline float hsum(vec v) {
 
 enum { PB = 8 };  /* (row, head) pairs scored together: independent chains sharing each key load */
 
+#if defined(__AVX512F__)
+/* r[i][j] -> r[j][i] for a 16 x 16 fp32 tile (pure data movement) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+#endif
+
 /* Keys of one kv head transposed per 16-key block, fp32: kt[b][d][lane] = k[16b + lane][d]
  * (zero past `keys`); bf16 values converted to fp32 [keys][head_dim] (fp32 values are used where
  * they are). Conversions from bf16 are exact. */
@@ -101,6 +130,20 @@ static void stage(const void *k, const void *v, int bf16, int64_t keys, int hd, 
     int64_t nblk = (keys + 15) / 16;
     for (int64_t b = 0; b < nblk; b++) {
         float *dst = kt + b * hd * 16;
+#if defined(__AVX512F__)
+        if (b * 16 + 16 <= keys) {  /* a full block: 16 x 16 tiles through registers */
+            for (int d = 0; d < hd; d += 16) {
+                __m512 r[16];
+                for (int lane = 0; lane < 16; lane++) {
+                    int64_t j = b * 16 + lane;
+                    r[lane] = bf16 ? v_load_bf16((const uint16_t *)k + j * hd + d) : V_LOAD((const float *)k + j * hd + d);
+                }
+                transpose16(r);
+                for (int t = 0; t < 16; t++) V_STORE(dst + (d + t) * 16, r[t]);
+            }
+            continue;
+        }
+#endif
         for (int lane = 0; lane < 16; lane++) {
             int64_t j = b * 16 + lane;
             if (j >= keys) {
