@@ -36,6 +36,7 @@ def build_engine(
 
 
 def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask), at least one."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -62,7 +63,7 @@ def _build_core(
 
     from prefixserve.cache import PrefixCache
     from prefixserve.models import load_model, resolve_device, resolve_dtype
-    from prefixserve.models.quant import KERNEL_THREADS
+    from prefixserve.models.threads import KERNEL_THREADS
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest import self_test
 

@@ -109,13 +109,12 @@ def pack(pieces: list[list[Codes]]) -> Int4Weight | None:
     return Int4Weight(parts, n)
 
 
-
-
 def int4_linear(
     x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """x: [rows, K] bf16 -> [rows, out] (x's dtype unless out_dtype). Two-part (Q8_0) outputs are
-    added in fp32. Each row's bits are independent of the other rows and of the thread count."""
+    added in fp32. Each row's bits are independent of the other rows (and, as the self-test checks
+    before allowing it, of the thread count: models/threads.py)."""
     x = x.contiguous()
 
     def call() -> list[torch.Tensor]:
