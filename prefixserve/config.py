@@ -22,7 +22,7 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when present, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # None = torch's default
-    decode_threads: int | None = None  # the 4-bit kernel's threads (models/quant.py KernelThreads); None = every usable core
+    decode_threads: int | None = None  # threads of the big matmuls and attention (models/threads.py); None = every usable core
     # decode rows' matmuls: int4 = the GGUF's 4-bit codes (bf16 CPU; 4x fewer bytes, but a decoded
     # token's KV then differs from a prefilled one, so finished turns are not cached); dense = the
     # same weights as prefill; auto = int4 where available
@@ -134,10 +134,15 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
     return os.path.join(home, ".local", "share", "prefixserve")
 
 
+def cache_home(environ: Mapping[str, str]) -> str:
+    """Where derived data goes (XDG's cache home): $XDG_CACHE_HOME/prefixserve, else ~/.cache/prefixserve."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "prefixserve")
+
+
 def default_model_cache_dir(environ: Mapping[str, str]) -> str:
     """The prepared-model cache when no flag names one: $PREFIXSERVE_MODEL_CACHE_DIR, else
-    $XDG_CACHE_HOME/prefixserve/models, else ~/.cache/prefixserve/models (derived data, XDG's cache home)."""
+    `cache_home`/models."""
     if environ.get("PREFIXSERVE_MODEL_CACHE_DIR"):
         return environ["PREFIXSERVE_MODEL_CACHE_DIR"]
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "prefixserve", "models")
+    return os.path.join(cache_home(environ), "models")

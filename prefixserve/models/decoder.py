@@ -118,7 +118,7 @@ class Decoder:
 
     @property
     def attention_kernel(self) -> str:
-        return f"native-{native.digest()}" if self.native_attention else "block32x16"
+        return native.kernel_name(self.native_attention)
 
     def drop_int4(self) -> None:
         """Decode rows fall back to the dense prefill path (the self-test refused the 4-bit rows)."""

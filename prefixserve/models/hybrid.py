@@ -99,9 +99,10 @@ class HybridDecoder:
 
     decode_matches_prefill = True
     decode_kernel = "dense"
+
     @property
     def attention_kernel(self) -> str:
-        return f"native-{native.digest()}" if self.native_attention else "block32x16"
+        return native.kernel_name(self.native_attention)
 
     def kernel_fingerprint(self) -> str:
         return (f"{self.dtype}|{self.device.type}|decode=dense|tiles={self.tiles}|attn={self.attention_kernel}"

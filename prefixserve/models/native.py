@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from prefixserve.config import cache_home
+
 log = logging.getLogger("prefixserve.models")
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.c")
@@ -48,8 +50,7 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("PREFIXSERVE_NATIVE_DIR") or os.path.join(base, "prefixserve", "native")
+    return os.environ.get("PREFIXSERVE_NATIVE_DIR") or os.path.join(cache_home(os.environ), "native")
 
 
 def digest() -> str:
@@ -112,6 +113,11 @@ def library() -> ctypes.CDLL | None:
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
         _lib = lib
         return lib
+
+
+def kernel_name(native: bool) -> str:
+    """The attention kernel a decoder runs, for its tier fingerprint: this build, or the torch blocks."""
+    return f"native-{digest()}" if native else "block32x16"
 
 
 def attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -45,6 +45,10 @@ class Int4Weight:
     parts: list[tuple[torch.Tensor, torch.Tensor]]  # (packed codes, scales_and_zeros [K/G, N_pad, 2] bf16)
     out_features: int
 
+    @property
+    def in_features(self) -> int:
+        return int(self.parts[0][1].shape[0]) * GROUP
+
 
 def available(dtype: torch.dtype, device: str) -> bool:
     return dtype == torch.bfloat16 and device == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")

@@ -9,11 +9,11 @@ native attention kernel's calls are split by rows into that many parts run at on
 
 Exactness: these kernels split their output columns between threads and reduce each output in
 one fixed loop, so on the machines measured their bits do not depend on the thread count (bf16
-tiles of 64 and 16 rows and the int4 kernel, Intel Xeon AMX: 1 and 2 threads equal). The native
-attention computes each row on its own (attention.c), so a split by rows cannot change a bit. That is a
+tiles of 64 and 16 rows and the int4 kernel, Intel Xeon AMX: 1 and 2 threads equal). That is a
 property of the BLAS build and the CPU, not a promise, so the start-up self-test checks every call
 shape in use at both counts (runner/selftest.py `check_threads`), and a kind of call runs on more
-threads only once it passed (`allow`).
+threads only once it passed (`allow`). The native attention computes each row on its own
+(attention.c), so a split by rows cannot change a bit (checked all the same).
 
 Stalls: each threaded call is timed; one that takes STALL_FACTOR times the fastest of its kind
 (same call site and shape) plus STALL_SLACK_S (about a scheduler time slice: what waiting for a
@@ -36,9 +36,6 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-# the 4-bit decode matmuls; the dense prefill tiles (and the dense lm_head); the native attention
-# kernel's calls, split by rows between this thread and a pool (`parallel`)
-KINDS = ("int4", "dense", "attention")
 
 
 class KernelThreads:
@@ -50,7 +47,9 @@ class KernelThreads:
 
     def __init__(self) -> None:
         self.threads = 1
-        self.allowed: set[str] = set()  # kinds the self-test showed thread-count invariant
+        # kinds the self-test showed thread-count invariant: "int4" (the 4-bit decode matmuls), "dense"
+        # (the dense tiles and lm_head), "attention" (native attention calls split by rows, `parallel`)
+        self.allowed: set[str] = set()
         self.backoff_until = 0.0
         self.stalls = 0
         self.backoffs = 0
@@ -72,13 +71,15 @@ class KernelThreads:
         return self.threads
 
     def parallel(self, fns: list[Callable[[], None]]) -> None:
-        """Run independent parts (each writes its own output; ctypes calls, which release the GIL)
-        fns[0] on this thread, the others on a pool. A part that finishes STALL_FACTOR times this
-        thread's time plus STALL_SLACK_S after it counts as a stall, as in `run`."""
+        """Run independent parts at once (each writes its own output; ctypes calls, which release the
+        GIL): fns[0] on this thread, the others on a pool. The pool's parts finishing more than
+        STALL_FACTOR times this thread's time plus STALL_SLACK_S after it count as a stall, as in `run`."""
         if len(fns) == 1:
             fns[0]()
             return
         if self._pool is None or self._pool_size < len(fns) - 1:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # idle: its threads exit
             self._pool = ThreadPoolExecutor(len(fns) - 1, thread_name_prefix="prefixserve-kernel")
             self._pool_size = len(fns) - 1
         futures = [self._pool.submit(f) for f in fns[1:]]
@@ -127,7 +128,6 @@ class KernelThreads:
         if len(self._recent_stalls) == self.STALLS_TO_BACK_OFF and now - self._recent_stalls[0] < self.STALL_WINDOW_S:
             self.backoffs += 1
             self.backoff_until = now + self.BACKOFF_S
-
             self._recent_stalls.clear()
 
     def on(self, threads: int, fn: Callable[..., T], *args: object) -> T:

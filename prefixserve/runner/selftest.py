@@ -54,7 +54,8 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
     int4_kinds: set[str] = set()
     if dec.int4_decode:
         int4_kinds, why = check_threads(dec, {"int4"})
-        threads_why += [why] if why else []
+        if why:
+            threads_why.append(why)
         KERNEL_THREADS.allow(int4_kinds)
         why = check_int4_rows(dec)
         if why:
@@ -76,8 +77,8 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
             if dense_why:
                 threads_why.append(dense_why)
             if threads_why:
-                notes.append(f"matmuls stay on {torch.get_num_threads()} threads where ({'; '.join(threads_why)})")
-            attention = "native" if getattr(dec, "native_attention", False) else "torch blocks"
+                notes.append(f"calls stay on {torch.get_num_threads()} threads where ({'; '.join(threads_why)})")
+            attention = "native" if dec.native_attention else "torch blocks"
             notes.insert(0, f"exact: {dec.dtype} matmuls in row tiles {plan}, decode kernel {dec.decode_kernel}, "
                             f"attention {attention}, {KERNEL_THREADS.describe()}")
             return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
@@ -88,12 +89,8 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
     return SelfTestResult(False, str(dec.tiles), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
 
 
-def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
-    """'' when, for every dense weight shape the runtime multiplies, a row's bits are the same at every
-    position of its tile (`plan.rows` rows; the lm_head's `plan.head_rows`) with any neighbours; else what failed. A random tile, then
-    permutations of it (every row visits other positions beside other neighbours), and one row
-    beside all-zero neighbours (the padding of a last tile)."""
-    g = torch.Generator().manual_seed(seed)
+def _dense_tiles(dec: Decoder, plan: TilePlan) -> list[tuple[str, torch.Tensor, torch.Tensor | None, int]]:
+    """(name, weight, bias, tile rows) of every dense matmul call site the runtime makes."""
     lw = dec.layers[0]
     hybrid_weights = getattr(dec, "tile_weights", None)  # models/hybrid.py: its own weight shapes
     weights: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = [
@@ -102,7 +99,24 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
     ] if hybrid_weights is None else [(name, w, None, plan.rows) for name, w in hybrid_weights()]
     if dec.lm_head_q4 is None:
         weights.append(("lm_head", dec.lm_head, None, plan.head_rows))
-    for name, w, bias, size in weights:
+    return weights
+
+
+def _int4_weights(dec: Decoder) -> list[tuple[str, Int4Weight]]:
+    """(name, weight) of every 4-bit weight decode rows (and the logits) multiply."""
+    lw = dec.layers[0]
+    named = [("qkv", lw.qkv_q4), ("o_proj", lw.o_q4), ("gate_up", lw.gate_up_q4), ("down", lw.down_q4),
+             ("lm_head", dec.lm_head_q4)]
+    return [(name, w) for name, w in named if w is not None]
+
+
+def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
+    """'' when, for every dense weight shape the runtime multiplies, a row's bits are the same at every
+    position of its tile (`plan.rows` rows; the lm_head's `plan.head_rows`) with any neighbours; else what failed. A random tile, then
+    permutations of it (every row visits other positions beside other neighbours), and one row
+    beside all-zero neighbours (the padding of a last tile)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, w, bias, size in _dense_tiles(dec, plan):
         x = torch.randn(size, w.shape[1], generator=g).to(dec.dtype).to(dec.device)
         y = F.linear(x, w, bias)
         for perm in _perms(size, g):
@@ -135,15 +149,10 @@ def check_threads(dec: Decoder, kinds: set[str], seed: int = 13) -> tuple[set[st
 
 def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: int) -> tuple[set[str], str]:
     g = torch.Generator().manual_seed(seed)
-    lw = dec.layers[0]
     passed, why = set(), []
     if "dense" in kinds:
-        dense = [("qkv", lw.qkv, lw.qkv_bias, dec.tiles.rows), ("o_proj", lw.o_proj, None, dec.tiles.rows),
-                 ("gate_up", lw.gate_up, None, dec.tiles.rows), ("down", lw.down, None, dec.tiles.rows)]
-        if dec.lm_head_q4 is None:
-            dense.append(("lm_head", dec.lm_head, None, dec.tiles.head_rows))
         failed = ""
-        for name, w, bias, rows in dense:
+        for name, w, bias, rows in _dense_tiles(dec, dec.tiles):
             x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
             if not torch.equal(KERNEL_THREADS.on(base, F.linear, x, w, bias), KERNEL_THREADS.on(many, F.linear, x, w, bias)):
                 failed = f"dense {name} tile differs between {base} and {many} threads"
@@ -152,16 +161,12 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
             why.append(failed)
         else:
             passed.add("dense")
-    int4 = [("qkv", lw.qkv_q4), ("o_proj", lw.o_q4), ("gate_up", lw.gate_up_q4), ("down", lw.down_q4),
-            ("lm_head", dec.lm_head_q4)]
-    if "int4" in kinds and any(w is not None for _, w in int4):
+    int4 = _int4_weights(dec)
+    if "int4" in kinds and int4:
         failed = ""
         for name, w4 in int4:
-            if w4 is None:
-                continue
-            k = w4.parts[0][1].shape[0] * 32  # scales_and_zeros: [K / GROUP, N_pad, 2]
             for rows in (1, 4, MAX_DECODE_ROWS):
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                x = torch.randn(rows, w4.in_features, generator=g).to(torch.bfloat16)
                 if not torch.equal(KERNEL_THREADS.on(base, int4_linear, x, w4), KERNEL_THREADS.on(many, int4_linear, x, w4)):
                     failed = f"4-bit {name} differs between {base} and {many} threads at {rows} rows"
                     break
@@ -171,7 +176,7 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
             why.append(failed)
         else:
             passed.add("int4")
-    if "attention" in kinds and getattr(dec, "native_attention", False):
+    if "attention" in kinds and dec.native_attention:
         a = dec.arch
         start, rows = 600, 40  # past native.SPLIT_MIN_WORK, so the call is split
         kv = torch.randn(2, a.num_kv_heads, start + rows, a.head_dim, generator=g).to(dec.dtype)
@@ -187,16 +192,8 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
 def check_int4_rows(dec: Decoder, seed: int = 11) -> str:
     """'' when every 4-bit weight's rows have the same bits for 1..MAX_DECODE_ROWS rows at any offset."""
     g = torch.Generator().manual_seed(seed)
-    lw = dec.layers[0]
-    named: list[tuple[str, Int4Weight | None]] = [
-        ("qkv", lw.qkv_q4), ("o_proj", lw.o_q4), ("gate_up", lw.gate_up_q4), ("down", lw.down_q4),
-        ("lm_head", dec.lm_head_q4),
-    ]
-    for name, w in named:
-        if w is None:
-            continue
-        k = w.parts[0][1].shape[0] * 32  # scales_and_zeros: [K / GROUP, N_pad, 2]
-        x = torch.randn(MAX_DECODE_ROWS + 3, k, generator=g).to(torch.bfloat16)
+    for name, w in _int4_weights(dec):
+        x = torch.randn(MAX_DECODE_ROWS + 3, w.in_features, generator=g).to(torch.bfloat16)
         full = int4_linear(x, w)
         for rows in range(1, MAX_DECODE_ROWS + 1):
             for offset in {0, 3 - rows % 4, x.shape[0] - rows}:
