@@ -26,8 +26,6 @@ from collections.abc import Callable
 
 import torch
 
-from prefixserve.config import cache_home
-
 log = logging.getLogger("prefixserve.models")
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.c")
@@ -50,7 +48,9 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> str:
-    return os.environ.get("PREFIXSERVE_NATIVE_DIR") or os.path.join(cache_home(os.environ), "native")
+    # XDG's cache home, as config.cache_home computes it (models import nothing of ours above them).
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.environ.get("PREFIXSERVE_NATIVE_DIR") or os.path.join(base, "prefixserve", "native")
 
 
 def digest() -> str:

@@ -140,9 +140,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="torch threads (PREFIXSERVE_NUM_THREADS; default: every usable core but one, at least one; "
            "docs/architecture.md)")
     a("--decode-threads", type=int, metavar="N",
-      help="threads of the big calls (4-bit decode and dense prefill matmuls, native attention), which fall back "
-           "to --num-threads for a while when threads keep waiting for a core (PREFIXSERVE_DECODE_THREADS; "
-           "default: every usable core; docs/architecture.md)")
+      help="threads of the big calls (4-bit and dense matmuls, native attention); back to --num-threads a while "
+           "when threads wait for a core (PREFIXSERVE_DECODE_THREADS; default: every usable core; docs/architecture.md)")
     a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
