@@ -55,11 +55,10 @@ def embedded_fp32():
 
 
 def server_default_mode() -> str:
-    """The mode `prefixserve serve` picks here with its defaults: 4-bit decode rows where the
-    self-test accepts them (bf16 CPUs), else bf16 with dense decode, else fp32."""
-    from prefixserve.models.loader import cpu_has_native_bf16
-
-    for mode in ("int4", "bf16") if cpu_has_native_bf16() else ():
+    """The mode `prefixserve serve` picks here with its defaults: bf16 (its dense tiles in fp32 on CPUs
+    without bf16 arithmetic, models/loader.py) with 4-bit decode rows where the self-test accepts
+    them, else with dense decode, else fp32."""
+    for mode in ("int4", "bf16"):
         try:
             load_embedded(mode)
             return mode

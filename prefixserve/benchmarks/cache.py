@@ -13,7 +13,7 @@ from prefixserve.cache import PrefixCache
 from prefixserve.cache.bench import bench_lookup
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import EngineCore
-from prefixserve.models import load_model
+from prefixserve.models import load_model, resolve_dtype
 from prefixserve.runner import ModelRunner
 from prefixserve.types import Delta, Namespace, Request, SamplingParams
 
@@ -31,7 +31,7 @@ def bench_cache(quick: bool = False, num_threads: int | None = None, print_fn: C
     from prefixserve.benchmarks.cache_shared import bench_shared
     from prefixserve.benchmarks.cache_tiers import bench_tiers
 
-    dtype = torch.bfloat16 if _native_bf16() else torch.float32
+    dtype = resolve_dtype("auto", "cpu")  # as the server's default
     m = load_model(None, dtype)
     runner = ModelRunner(m.decoder)
     if only is None:
@@ -56,7 +56,7 @@ def _system_prompt(tokenizer, num_tokens: int, nonce: str) -> str:
 
 
 def _bench_ttft(quick: bool, print_fn: Callable[[str], object]) -> None:
-    dtype = torch.bfloat16 if _native_bf16() else torch.float32
+    dtype = resolve_dtype("auto", "cpu")  # as the server's default
     m = load_model(None, dtype)
     runner = ModelRunner(m.decoder)
     firsts: dict[str, float] = {}
@@ -95,7 +95,3 @@ def _bench_ttft(quick: bool, print_fn: Callable[[str], object]) -> None:
         print_fn(f"| {len(ids)} tokens | {c:.1f} ms | {f:.2f} ms | {p:.1f} ms | {c / f:.0f}x |")
 
 
-def _native_bf16() -> bool:
-    from prefixserve.models.loader import cpu_has_native_bf16
-
-    return cpu_has_native_bf16()

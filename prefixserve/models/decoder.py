@@ -22,6 +22,7 @@ from prefixserve.models.layers import (
     apply_rope,
     batched_decode_attention,
     block_attention,
+    linear,
     rms_norm,
     tiled,
 )
@@ -31,7 +32,7 @@ from prefixserve.models.threads import KERNEL_THREADS
 
 def _dense(site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count)."""
-    return KERNEL_THREADS.run("dense", (site, x.shape[0]), lambda: F.linear(x, w, bias))
+    return KERNEL_THREADS.run("dense", (site, x.shape[0]), lambda: linear(x, w, bias))
 
 
 @dataclass(slots=True)
@@ -99,6 +100,11 @@ class Decoder:
         # attention of every prefill and dense decode row: the native kernel (models/native.py,
         # attention.c) where it builds, else block_attention; both row-local by construction
         self.native_attention = native.attention_supported(arch.head_dim, self.dtype, self.device)
+        # 4-bit decode rows' attention: torch's fused SDPA, or the native kernel where bf16 SDPA is slow
+        # (CPUs without bf16 arithmetic: 0.78 ms vs ~0.05 ms a layer at 500 keys; `use_fp32_matmuls`)
+        self.native_decode_attention = False
+        self.matmul_dtype = self.dtype  # what the dense tiles multiply in (`use_fp32_matmuls`)
+        self._norms32: dict[int, torch.Tensor] = {}
 
     @property
     def decode_matches_prefill(self) -> bool:
@@ -113,8 +119,39 @@ class Decoder:
 
     def kernel_fingerprint(self) -> str:
         """Everything of the runtime's own choices that changes a state's bits (dtype, device, decode
-        kernel, tile plan, attention tiling), for the disk cache tier's file fingerprint (docs/cache.md)."""
-        return f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}|attn={self.attention_kernel}"
+        kernel, tile plan, matmul precision, attention tiling), for the disk cache tier's file
+        fingerprint (docs/cache.md)."""
+        mm = "" if self.matmul_dtype == self.dtype else f"|mm={self.matmul_dtype}"
+        return (f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}{mm}"
+                f"|attn={self.attention_kernel}")
+
+    def use_fp32_matmuls(self) -> None:
+        """A bf16 model on a CPU without bf16 arithmetic (no AVX512-BF16, no AMX: bf16 matmuls there
+        ran at 26 GFLOPS against fp32's 67 at 64 rows): the dense tiles multiply fp32 copies of the
+        weights (`linear`), which replace the bf16 ones (a dense lm_head only where logits use it),
+        and 4-bit decode rows attend with the native kernel. Activations, KV and the 4-bit path stay
+        bf16; a dense tile is still one fixed-shape call (docs/exactness.md)."""
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return
+        for lw in self.layers:
+            lw.qkv, lw.o_proj, lw.gate_up, lw.down = (t.float() for t in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
+            if lw.qkv_bias is not None:
+                lw.qkv_bias = lw.qkv_bias.float()
+        if self.lm_head_q4 is None:
+            self.lm_head = self.lm_head.float()
+        self.matmul_dtype = torch.float32
+        self.native_decode_attention = self.native_attention
+        # decode rows' RMSNorm in fp32 too (torch's fused bf16 one took 64 us a call there, fp32 ~5)
+        self._norms32 = {id(w): w.float() for lw in self.layers
+                         for w in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if w is not None}
+
+    def _decode_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of 4-bit decode rows over the last dim (row-local): torch's fused kernel, in fp32
+        where `use_fp32_matmuls` made the norm weights' fp32 copies."""
+        w32 = self._norms32.get(id(w))
+        if w32 is None:
+            return F.rms_norm(x, (x.shape[-1],), w, self.arch.rms_eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), w32, self.arch.rms_eps).to(x.dtype)
 
     @property
     def attention_kernel(self) -> str:
@@ -126,6 +163,8 @@ class Decoder:
             lw.qkv_q4 = lw.o_q4 = lw.gate_up_q4 = lw.down_q4 = None
         self.lm_head_q4 = None
         self.int4_decode = False
+        if self.matmul_dtype != self.dtype:
+            self.lm_head = self.lm_head.to(self.matmul_dtype)  # the logits now use the dense lm_head
 
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """token_ids: [sum(num_new)] int64, segments in the same order; see `forward_layers`."""
@@ -236,14 +275,13 @@ class Decoder:
         is mostly per-op overhead at one row (docs/architecture.md, "Decode")."""
         a = self.arch
         n = h.shape[0]
-        x = F.rms_norm(h, (a.hidden_size,), lw.attn_norm, a.rms_eps)
+        x = self._decode_norm(h, lw.attn_norm)
         qkv = self._decode_linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4)
         heads = a.num_heads + a.num_kv_heads
         if lw.q_norm is not None and lw.k_norm is not None:
             qk = torch.cat([
-                F.rms_norm(qkv[:, : a.q_size].view(n, a.num_heads, a.head_dim), (a.head_dim,), lw.q_norm, a.rms_eps),
-                F.rms_norm(qkv[:, a.q_size : a.q_size + a.kv_size].view(n, a.num_kv_heads, a.head_dim), (a.head_dim,),
-                           lw.k_norm, a.rms_eps),
+                self._decode_norm(qkv[:, : a.q_size].view(n, a.num_heads, a.head_dim), lw.q_norm),
+                self._decode_norm(qkv[:, a.q_size : a.q_size + a.kv_size].view(n, a.num_kv_heads, a.head_dim), lw.k_norm),
             ], dim=1)
         else:
             qk = qkv[:, : a.q_size + a.kv_size].view(n, heads, a.head_dim)
@@ -255,12 +293,15 @@ class Decoder:
             kv[0, :, s.start] = qk[i, a.num_heads :]
             kv[1, :, s.start] = v[i]
             length = s.start + 1
+            if self.native_decode_attention:
+                attn[i] = native.attention(qk[i : i + 1, : a.num_heads], kv[0], kv[1], s.start)[0]
+                continue
             attn[i] = F.scaled_dot_product_attention(
                 qk[i, : a.num_heads].view(1, a.num_heads, 1, a.head_dim), kv[0, :, :length].unsqueeze(0),
                 kv[1, :, :length].unsqueeze(0), enable_gqa=True,
             ).view(a.q_size)
         h = h + self._decode_linear(attn, lw.o_proj, None, lw.o_q4)
-        x = F.rms_norm(h, (a.hidden_size,), lw.mlp_norm, a.rms_eps)
+        x = self._decode_norm(h, lw.mlp_norm)
         gu = self._decode_linear(x, lw.gate_up, None, lw.gate_up_q4)
         act = F.silu(gu[:, : a.intermediate_size]) * gu[:, a.intermediate_size :]
         return h + self._decode_linear(act, lw.down, None, lw.down_q4)

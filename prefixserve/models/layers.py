@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 BLOCK = 32  # keys per attention block, aligned to absolute positions
 ATTN_TILE_TOKENS = 16  # query tokens per attention call (the last tile padded)
@@ -67,6 +68,15 @@ def tiled(x: torch.Tensor, plan: TilePlan, fn: Callable[[torch.Tensor], torch.Te
         offset += t
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y[:num_rows]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense tile's matmul: F.linear in the weight's dtype, the result in x's. A bf16 model on a CPU
+    without bf16 arithmetic keeps fp32 weights (`Decoder.use_fp32_matmuls`): x is widened (exact),
+    multiplied in fp32 and rounded back to bf16."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, bias)
+    return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,11 +14,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from prefixserve.models import native
 from prefixserve.models.decoder import Decoder
-from prefixserve.models.layers import TilePlan
+from prefixserve.models.layers import TilePlan, linear
 from prefixserve.models.quant import Int4Weight, int4_linear
 from prefixserve.models.threads import KERNEL_THREADS
 from prefixserve.runner.runner import ModelRunner, StepItem
@@ -118,13 +117,13 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
     g = torch.Generator().manual_seed(seed)
     for name, w, bias, size in _dense_tiles(dec, plan):
         x = torch.randn(size, w.shape[1], generator=g).to(dec.dtype).to(dec.device)
-        y = F.linear(x, w, bias)
+        y = linear(x, w, bias)
         for perm in _perms(size, g):
-            if not torch.equal(F.linear(x[perm], w, bias), y[perm]):
+            if not torch.equal(linear(x[perm], w, bias), y[perm]):
                 return f"{name}: a row's bits depend on its position in a {size}-row tile"
         lone = torch.zeros_like(x)
         lone[size // 3] = x[0]
-        if not torch.equal(F.linear(lone, w, bias)[size // 3], y[0]):
+        if not torch.equal(linear(lone, w, bias)[size // 3], y[0]):
             return f"{name}: a row's bits depend on its neighbours in a {size}-row tile"
     return ""
 
@@ -153,8 +152,8 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
     if "dense" in kinds:
         failed = ""
         for name, w, bias, rows in _dense_tiles(dec, dec.tiles):
-            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
-            if not torch.equal(KERNEL_THREADS.on(base, F.linear, x, w, bias), KERNEL_THREADS.on(many, F.linear, x, w, bias)):
+            x = torch.randn(rows, w.shape[1], generator=g).to(dec.dtype)
+            if not torch.equal(KERNEL_THREADS.on(base, linear, x, w, bias), KERNEL_THREADS.on(many, linear, x, w, bias)):
                 failed = f"dense {name} tile differs between {base} and {many} threads"
                 break
         if failed:

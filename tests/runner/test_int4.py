@@ -97,11 +97,19 @@ def _greedy(runner: ModelRunner, st, steps: int, others=()) -> tuple[list[int], 
     return out, st.logits
 
 
-def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4):
+@pytest.mark.parametrize("fp32_matmuls", [False, True])
+def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4, fp32_matmuls):
+    """Also with the dense tiles in fp32 and the decode rows' attention native (`use_fp32_matmuls`,
+    the default on CPUs without bf16 arithmetic)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (37, 20, 50, 9)]
     runner = ModelRunner(load(tiny_q4, torch.bfloat16, decode_kernel="int4"))
     dense = ModelRunner(load(tiny_q4, torch.bfloat16, decode_kernel="dense"))
+    if fp32_matmuls:
+        for r in (runner, dense):
+            r.decoder.use_fp32_matmuls()
+        assert runner.decoder.layers[0].qkv.dtype == torch.float32
+        assert runner.decoder.native_decode_attention == runner.decoder.native_attention
 
     def start(r: ModelRunner, ids: list[int]):
         st = r.new_state()
@@ -142,3 +150,29 @@ def test_mixed_decode_and_prefill_order_is_enforced(tiny_q4):
     runner.step([StepItem(ref_b, [8], decode=True)])
     assert torch.equal(a.logits, ref_a.logits) and torch.equal(b.logits, ref_b.logits)
     assert np.isfinite(a.logits.numpy()).all()
+
+
+def test_fp32_matmuls_keep_prefill_chunk_invariant_and_close_to_bf16(tiny_q4):
+    """A bf16 model whose dense tiles multiply in fp32: the KV and logits of a prompt do not depend on
+    how it is chunked (the exactness rule holds as for bf16 tiles), differ from the bf16 tiles' only
+    by rounding, and the disk tier's fingerprint tells the two apart."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, TINY["vocab_size"], (150,), generator=g).tolist()
+    bf16 = ModelRunner(load(tiny_q4, torch.bfloat16))
+    wide = ModelRunner(load(tiny_q4, torch.bfloat16))
+    wide.decoder.use_fp32_matmuls()
+    assert wide.decoder.kernel_fingerprint() != bf16.decoder.kernel_fingerprint()
+    states = []
+    for r, chunks in ((wide, (150,)), (wide, (1, 63, 64, 22)), (wide, (37, 113)), (bf16, (150,))):
+        st = r.new_state()
+        at = 0
+        for c in chunks:
+            r.step([StepItem(st, ids[at : at + c], want_logits=at + c == len(ids))])
+            at += c
+        states.append(st)
+    one, *others, narrow = states
+    for st in others:
+        assert torch.equal(st.kv[..., :150, :], one.kv[..., :150, :])
+        assert torch.equal(st.logits, one.logits)
+    assert one.kv.dtype == torch.bfloat16
+    assert F.cosine_similarity(one.logits, narrow.logits, dim=0) > 0.999
