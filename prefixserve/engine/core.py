@@ -40,6 +40,8 @@ from prefixserve.types import (
 log = logging.getLogger("prefixserve.engine")
 
 GROW_TOKENS = 256  # output room reserved at admission; the KV grows (doubling) beyond it
+CHUNK_GRAIN = 64  # prompt chunks shrink in steps of this many tokens (the dense tile's rows)
+LONG_CONTEXT_KEYS = 2048  # a chunk deep in a long prompt does at most the attention work of a full one here
 
 Emit = Callable[[str, Delta], None]
 
@@ -174,10 +176,8 @@ class EngineCore:
                 decoding.append(s)
                 self._last_step.append((s, token))
                 budget -= 1
-        for s in active:
-            if s.phase is not Phase.PREFILL or budget <= 0:
-                continue
-            start, end = s.next_prefill_chunk(min(self.config.prefill_chunk_tokens, budget))
+        for s, limit in self._prefill_plan([s for s in active if s.phase is Phase.PREFILL], budget):
+            start, end = s.next_prefill_chunk(limit)
             assert s.state is not None  # a prefilling session was restored when it started
             items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))
             prefill_ends.append((s, start, end))
@@ -199,6 +199,33 @@ class EngineCore:
         for s in decoding:
             if s.phase is Phase.DECODE:
                 self._sample(s)
+
+    def _prefill_plan(self, prefilling: list[Session], budget: int) -> list[tuple[Session, int]]:
+        """Which prompts this step feeds, each with its most tokens (docs/architecture.md, "Scheduling").
+
+        Prompts that can finish in this step go first (their first token is what their clients wait
+        for), then the others in admission order, at least `CHUNK_GRAIN` tokens for the oldest of those
+        so a long prompt never starves. A chunk's attention work (rows x keys) stays within what a
+        full chunk costs at `LONG_CONTEXT_KEYS` keys: deep into a long prompt its chunks shrink (to one
+        grain at the least), so a step, and whoever waits for it, stays short. Chunking never changes
+        a bit (docs/exactness.md)."""
+        cfg = self.config
+        finishing = [s for s in prefilling if s.remaining_prompt() <= cfg.prefill_chunk_tokens]
+        longer = [s for s in prefilling if s.remaining_prompt() > cfg.prefill_chunk_tokens]
+        work = cfg.prefill_chunk_tokens * LONG_CONTEXT_KEYS
+        plan: list[tuple[Session, int]] = []
+        for s in finishing + longer:
+            reserve = CHUNK_GRAIN if (longer and s in finishing) else 0
+            room = min(cfg.prefill_chunk_tokens, budget - reserve)
+            start = s.num_computed
+            rows = room
+            while rows > CHUNK_GRAIN and rows * (start + rows) > work:
+                rows -= CHUNK_GRAIN
+            if rows <= 0:
+                continue
+            plan.append((s, rows))
+            budget -= min(rows, s.remaining_prompt())
+        return plan
 
     def num_running(self) -> int:
         return len(self.running)

@@ -100,6 +100,9 @@ class Session:
         return Usage(prompt_tokens=prompt, completion_tokens=sum(len(c.output_ids) for c in group),
                      cached_tokens=min(first.num_cached - first.num_refilled, prompt))
 
+    def remaining_prompt(self) -> int:
+        return self.prompt_len - self.num_computed
+
     def next_prefill_chunk(self, chunk_tokens: int) -> tuple[int, int]:
         """[start, end) of the next prompt chunk: at most chunk_tokens, never crossing the boundary or
         a checkpoint."""
