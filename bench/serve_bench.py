@@ -180,7 +180,7 @@ def _plan(args: argparse.Namespace) -> BenchPlan:
     tag = secrets.token_hex(4)
     if args.quick:
         return BenchPlan(
-            run_tag=tag, num_runs=args.runs or 3, concurrency_rounds=1, concurrency_max_tokens=32
+            run_tag=tag, num_runs=args.runs or 3, concurrency_rounds=1, concurrency_max_tokens=32, long_runs=1
         )
     return BenchPlan(run_tag=tag, num_runs=args.runs or 7)
 

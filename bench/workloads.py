@@ -37,10 +37,14 @@ class BenchPlan:
     ttft_max_tokens: int = 4
     unrelated_prompt_len: int = 200
     contended_prompt_len: int = 600  # cold and warm TTFT again with a busy process on one core
+    long_prompt_len: int = 8000  # a cold long prompt alone, then again while short requests arrive
+    long_runs: int = 2
+    short_clients: int = 3  # clients sending short cold requests, one after another, during the long prefill
+    short_prompt_len: int = 100
 
     def __post_init__(self) -> None:
-        if self.num_runs < 1 or self.concurrency_rounds < 1:
-            raise ValueError("num_runs and concurrency_rounds must be >= 1")
+        if self.num_runs < 1 or self.concurrency_rounds < 1 or self.long_runs < 0:
+            raise ValueError("num_runs and concurrency_rounds must be >= 1, long_runs >= 0")
 
     def num_requests(self) -> int:
         """Requests a full suite sends; drives the progress bar."""
@@ -48,7 +52,8 @@ class BenchPlan:
         per_len = self.num_runs + (1 + self.num_runs) + (1 + self.num_runs) + (1 + 2 * self.num_runs)
         concurrency = 1 + self.concurrency_rounds * sum(self.concurrency_levels)
         contended = self.num_runs + (1 + self.num_runs)
-        return num_lens * per_len + len(self.decode_max_tokens) * self.num_runs + concurrency + contended
+        long = 2 * self.long_runs  # the short requests are not counted: how many fit is measured
+        return num_lens * per_len + len(self.decode_max_tokens) * self.num_runs + concurrency + contended + long
 
 
 # ---------------------------------------------------------------- workloads
@@ -78,7 +83,39 @@ async def run_suite(
         await decode(client, plan, max_tokens, suite, tick)
     await concurrency(client, plan, prompts, suite, tick)
     await contended(client, plan, prompts, suite, tick)
+    await long_prompt(client, plan, prompts, suite, tick)
     return suite
+
+
+async def long_prompt(
+    client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
+) -> None:
+    """A cold `long_prompt_len`-token prompt alone (`cold_ttft_<len>`, to set beside the shorter
+    cold prompts), then another while `short_clients` other clients each send short cold requests
+    one after another until it answers: their TTFTs (`short_during_long`) say whether one long
+    prompt holds up everybody else."""
+    n = plan.long_prompt_len
+    for run in range(plan.long_runs):
+        system = prompts.system_prompt(n, f"{plan.run_tag}-long{n}-{run}")
+        suite.add(f"cold_ttft_{n}", await client.chat(_messages(system, user_question(0)), plan.ttft_max_tokens))
+        tick(1)
+    for run in range(plan.long_runs):
+        system = prompts.system_prompt(n, f"{plan.run_tag}-longbusy{n}-{run}")
+        long = asyncio.create_task(client.chat(_messages(system, user_question(0)), plan.ttft_max_tokens))
+        await asyncio.sleep(0.5)  # its prefill is under way
+
+        async def shorts(c: int) -> None:
+            k = 0
+            while not long.done():
+                other = prompts.system_prompt(
+                    plan.short_prompt_len, f"{plan.run_tag}-short{run}-{c}-{k}", topic_seed="other"
+                )
+                suite.add("short_during_long", await client.chat(_messages(other, user_question(k)), plan.ttft_max_tokens))
+                k += 1
+
+        await asyncio.gather(*(shorts(c) for c in range(plan.short_clients)))
+        suite.add(f"long_busy_ttft_{n}", await long)
+        tick(1)
 
 
 async def contended(
