@@ -78,7 +78,9 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
             if threads_why:
                 notes.append(f"calls stay on {torch.get_num_threads()} threads where ({'; '.join(threads_why)})")
             attention = "native" if dec.native_attention else "torch blocks"
-            notes.insert(0, f"exact: {dec.dtype} matmuls in row tiles {plan}, decode kernel {dec.decode_kernel}, "
+            mm = getattr(dec, "matmul_dtype", dec.dtype)  # models/decoder.py `use_fp32_matmuls`
+            matmuls = f"{dec.dtype} matmuls" if mm == dec.dtype else f"{dec.dtype} model, {mm} matmuls"
+            notes.insert(0, f"exact: {matmuls} in row tiles {plan}, decode kernel {dec.decode_kernel}, "
                             f"attention {attention}, {KERNEL_THREADS.describe()}")
             return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
         KERNEL_THREADS.allow(int4_kinds)
