@@ -18,7 +18,7 @@ DEFAULT_MAX_TOKENS = 1024
 class ModelConfig:
     path: str | None = None  # None = the embedded SmolLM2 default
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto = bf16 where the CPU has native bf16, else fp32
+    dtype: str = "auto"  # auto = bf16 (fp32 dense tiles where the CPU has no bf16 arithmetic: models/loader.py)
     device: str = "auto"  # auto = cuda when present, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # None = torch's default

@@ -26,7 +26,7 @@ def load_embedded(mode: str):
     refuse the mode, and then the test is skipped with the self-test's reason).
 
     mode: 'fp32' | 'bf16' (both with dense decode) | 'int4' (bf16, 4-bit decode rows: the server's
-    default on CPUs with native bf16)."""
+    default; its dense tiles in fp32 where the CPU has no bf16 arithmetic)."""
     if mode not in _MODELS:
         from prefixserve.models import load_model
         from prefixserve.runner import ModelRunner
