@@ -31,7 +31,7 @@ def bench_cache(quick: bool = False, num_threads: int | None = None, print_fn: C
     from prefixserve.benchmarks.cache_shared import bench_shared
     from prefixserve.benchmarks.cache_tiers import bench_tiers
 
-    dtype = resolve_dtype("auto", "cpu")  # as the server's default
+    dtype = resolve_dtype("auto")  # as the server's default
     m = load_model(None, dtype)
     runner = ModelRunner(m.decoder)
     if only is None:
@@ -56,7 +56,7 @@ def _system_prompt(tokenizer, num_tokens: int, nonce: str) -> str:
 
 
 def _bench_ttft(quick: bool, print_fn: Callable[[str], object]) -> None:
-    dtype = resolve_dtype("auto", "cpu")  # as the server's default
+    dtype = resolve_dtype("auto")  # as the server's default
     m = load_model(None, dtype)
     runner = ModelRunner(m.decoder)
     firsts: dict[str, float] = {}

@@ -70,7 +70,7 @@ def _build_core(
     torch.set_num_threads(model_config.num_threads or default_num_threads())
     KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())
     device = resolve_device(model_config.device)
-    dtype = resolve_dtype(model_config.dtype, device)
+    dtype = resolve_dtype(model_config.dtype)
     loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel,
                         cache_dir=model_config.cache_dir)
     runner = ModelRunner(loaded.decoder)

@@ -49,7 +49,7 @@ def embedded_model_path() -> str:
     return path
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+def resolve_dtype(dtype: str) -> torch.dtype:
     """auto = bf16: on CUDA, and on every CPU. Where the CPU has no bf16 arithmetic the dense tiles
     multiply in fp32 (`fp32_matmuls_wanted`), and the 4-bit decode rows, which need bf16, stay
     available: an fp32 model there decoded through a 64-row dense tile per token (314 ms a token

@@ -65,8 +65,9 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
         dec.tiles = plan
         why = check_tile_rows(dec, plan)
         if not why:
-            dense_kinds, dense_why = check_threads(dec, {"dense", "attention"} - _single_thread_kinds(dec))
-            if _single_thread_kinds(dec):
+            single = _single_thread_kinds(dec)
+            dense_kinds, dense_why = check_threads(dec, {"dense", "attention"} - single)
+            if single:
                 dense_why = "; ".join(filter(None, [dense_why, "fp32 dense tiles (MKL) are not thread-count invariant"]))
             KERNEL_THREADS.allow(int4_kinds | dense_kinds)
             why = check_invariance(runner)
