@@ -17,80 +17,8 @@
  * K and V: [kv_heads][capacity][head_dim], bf16 or fp32 (a session's cache, as the runner keeps
  * it); head_dim a multiple of 16 (models/layers.py falls back to its torch formulation otherwise).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "simd.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-typedef __m512 vec;
-#define V_ZERO() _mm512_setzero_ps()
-#define V_SET1(a) _mm512_set1_ps(a)
-#define V_LOAD(p) _mm512_loadu_ps(p)
-#define V_STORE(p, v) _mm512_storeu_ps(p, v)
-#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define V_ADD(a, b) _mm512_add_ps(a, b)
-#define V_SUB(a, b) _mm512_sub_ps(a, b)
-#define V_MAX(a, b) _mm512_max_ps(a, b)
-#define V_DIV(a, b) _mm512_div_ps(a, b)
-static inline float v_hmax(vec v) { return _mm512_reduce_max_ps(v); } /* max is exact in any order */
-/* e^x for x <= 0; -inf (a masked key) gives exactly 0. Cody-Waite range reduction and a degree-6
- * polynomial: x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n e^r. ~2 ulp. */
-static inline vec v_exp(vec x) {
-    const vec lo = _mm512_set1_ps(-87.0f);
-    __mmask16 dead = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    vec p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    vec r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    p = _mm512_scalef_ps(p, n);
-    return _mm512_maskz_mov_ps((__mmask16)~dead, p);
-}
-/* 16 bf16 (raw uint16) -> fp32, exact */
-static inline vec v_load_bf16(const uint16_t *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-#else
-typedef struct { float f[16]; } vec;
-static inline vec V_ZERO(void) { vec r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
-static inline vec V_SET1(float a) { vec r; for (int i = 0; i < 16; i++) r.f[i] = a; return r; }
-static inline vec V_LOAD(const float *p) { vec r; memcpy(r.f, p, 64); return r; }
-static inline void V_STORE(float *p, vec v) { memcpy(p, v.f, 64); }
-static inline vec V_FMA(vec a, vec b, vec c) { vec r; for (int i = 0; i < 16; i++) r.f[i] = fmaf(a.f[i], b.f[i], c.f[i]); return r; }
-static inline vec V_ADD(vec a, vec b) { vec r; for (int i = 0; i < 16; i++) r.f[i] = a.f[i] + b.f[i]; return r; }
-static inline vec V_SUB(vec a, vec b) { vec r; for (int i = 0; i < 16; i++) r.f[i] = a.f[i] - b.f[i]; return r; }
-static inline vec V_MAX(vec a, vec b) { vec r; for (int i = 0; i < 16; i++) r.f[i] = a.f[i] > b.f[i] ? a.f[i] : b.f[i]; return r; }
-static inline vec V_DIV(vec a, vec b) { vec r; for (int i = 0; i < 16; i++) r.f[i] = a.f[i] / b.f[i]; return r; }
-static inline float v_hmax(vec v) { float m = v.f[0]; for (int i = 1; i < 16; i++) m = v.f[i] > m ? v.f[i] : m; return m; }
-static inline vec v_exp(vec x) { vec r; for (int i = 0; i < 16; i++) r.f[i] = expf(x.f[i]); return r; }
-static inline vec v_load_bf16(const uint16_t *p) {
-    vec r;
-    for (int i = 0; i < 16; i++) {
-        uint32_t u = (uint32_t)p[i] << 16;
-        memcpy(&r.f[i], &u, 4);
-    }
-    return r;
-}
-#endif
-
-static inline float hsum(vec v) {
-    float t[16];
-    V_STORE(t, v);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
-    return t[0];
-}
 
 enum { PB = 8 };  /* (row, head) pairs scored together: independent chains sharing each key load */
 

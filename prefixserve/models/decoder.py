@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixserve.models import native
+from prefixserve.models import int4_rows, native, native_decode
 from prefixserve.models.arch import ArchConfig
 from prefixserve.models.layers import (
     RopeTable,
@@ -22,17 +22,12 @@ from prefixserve.models.layers import (
     apply_rope,
     batched_decode_attention,
     block_attention,
-    linear,
+    dense,
     rms_norm,
     tiled,
 )
 from prefixserve.models.quant import Int4Weight, int4_linear
 from prefixserve.models.threads import KERNEL_THREADS
-
-
-def _dense(site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count)."""
-    return KERNEL_THREADS.run("dense", (site, x.shape[0]), lambda: linear(x, w, bias))
 
 
 @dataclass(slots=True)
@@ -105,6 +100,7 @@ class Decoder:
         self.native_decode_attention = False
         self.matmul_dtype = self.dtype  # what the dense tiles multiply in (`use_fp32_matmuls`)
         self._norms32: dict[int, torch.Tensor] = {}
+        self._native_plan: native_decode.DecodePlan | None | bool = False  # False: not made yet
 
     @property
     def decode_matches_prefill(self) -> bool:
@@ -145,14 +141,6 @@ class Decoder:
         self._norms32 = {id(w): w.float() for lw in self.layers
                          for w in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if w is not None}
 
-    def _decode_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of 4-bit decode rows over the last dim (row-local): torch's fused kernel, in fp32
-        where `use_fp32_matmuls` made the norm weights' fp32 copies."""
-        w32 = self._norms32.get(id(w))
-        if w32 is None:
-            return F.rms_norm(x, (x.shape[-1],), w, self.arch.rms_eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), w32, self.arch.rms_eps).to(x.dtype)
-
     @property
     def attention_kernel(self) -> str:
         return native.kernel_name(self.native_attention)
@@ -163,6 +151,7 @@ class Decoder:
             lw.qkv_q4 = lw.o_q4 = lw.gate_up_q4 = lw.down_q4 = None
         self.lm_head_q4 = None
         self.int4_decode = False
+        self._native_plan = None
         if self.matmul_dtype != self.dtype:
             self.lm_head = self.lm_head.to(self.matmul_dtype)  # the logits now use the dense lm_head
 
@@ -208,18 +197,21 @@ class Decoder:
             [torch.arange(s.start, s.start + s.num_new, device=self.device) for s in segments]
         )
         cos, sin = self.rope.lookup(positions)
+        decoded = None  # decode rows' logits from the native decode step (models/native_decode.py)
+        if nd and (plan := self.native_decode_plan()) is not None:
+            decoded = native_decode.decode_rows(self, plan, token_ids[:nd], segments[:leading])
         h = self.embed.new_zeros(total, a.hidden_size)
         h[:num_rows] = self.embed[token_ids]
         q = h.new_empty(total, a.num_heads, a.head_dim)
         k = h.new_empty(total, a.num_kv_heads, a.head_dim)
         v = h.new_empty(total, a.num_kv_heads, a.head_dim)
         for li, lw in enumerate(self.layers):
-            if nd:  # 4-bit decode rows: their own short path (they attend only to their own sessions)
-                h[:nd] = self._int4_decode_layer(li, lw, h[:nd], cos[:nd], sin[:nd], segments[:leading])
+            if nd and decoded is None:  # 4-bit decode rows: their own short path (own sessions only)
+                h[:nd] = int4_rows.decode_layer(self, li, lw, h[:nd], cos[:nd], sin[:nd], segments[:leading])
             for g0, gn in tiles:
                 g1 = g0 + gn
                 x = rms_norm(h[g0:g1], lw.attn_norm, a.rms_eps)
-                qkv = _dense("qkv", x, lw.qkv, lw.qkv_bias)
+                qkv = dense("qkv", x, lw.qkv, lw.qkv_bias)
                 gq = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
                 gk = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
                 v[g0:g1] = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
@@ -231,11 +223,11 @@ class Decoder:
             attn = self._attention(li, q, k, v, segments, total, skip=leading if nd else 0)
             for g0, gn in tiles:
                 g1 = g0 + gn
-                hg = h[g0:g1] + _dense("o_proj", attn[g0:g1], lw.o_proj)
+                hg = h[g0:g1] + dense("o_proj", attn[g0:g1], lw.o_proj)
                 x = rms_norm(hg, lw.mlp_norm, a.rms_eps)
-                gu = _dense("gate_up", x, lw.gate_up)
+                gu = dense("gate_up", x, lw.gate_up)
                 gate, up = gu.split(a.intermediate_size, dim=-1)
-                h[g0:g1] = hg + _dense("down", F.silu(gate) * up, lw.down)
+                h[g0:g1] = hg + dense("down", F.silu(gate) * up, lw.down)
             yield
         last_rows: list[int] = []
         offset = 0
@@ -243,68 +235,31 @@ class Decoder:
             offset += s.num_new
             if s.want_logits:
                 last_rows.append(offset - 1)
+        if decoded is not None:  # decode rows lead: row i is segment i
+            rest = [r for r in last_rows if r >= nd]
+            mine = decoded[[r for r in last_rows if r < nd]]
+            return torch.cat([mine, self._logits(h[rest])]) if rest else mine
         if not last_rows:
             return torch.empty(0, a.vocab_size)
+        return self._logits(h[last_rows])
+
+    def native_decode_plan(self) -> native_decode.DecodePlan | None:
+        """The one-call native decode step's plan where it runs (made once; `drop_int4` ends it)."""
+        if self._native_plan is False:
+            self._native_plan = native_decode.plan_for(self)
+        return self._native_plan  # type: ignore[return-value]
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden rows (batch-invariant: plan tiles, or the 4-bit head)."""
+        a = self.arch
         if self.lm_head_q4 is not None:
             # every logits row, prefill's too: no KV depends on it, and its rows are batch-invariant,
             # so cached and recomputed logits still agree; it saves a dense vocab matmul per prefill
             head = self.lm_head_q4
-            x = tiled(h[last_rows], self.tiles.head, lambda t: rms_norm(t, self.final_norm, a.rms_eps))
+            x = tiled(rows, self.tiles.head, lambda t: rms_norm(t, self.final_norm, a.rms_eps))
             return int4_linear(x, head, out_dtype=torch.float32)
-        return tiled(h[last_rows], self.tiles.head,
-                     lambda t: _dense("lm_head", rms_norm(t, self.final_norm, a.rms_eps), self.lm_head).float())
-
-    def _decode_linear(
-        self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, q4: Int4Weight | None
-    ) -> torch.Tensor:
-        """A 4-bit decode row group's matmul: the 4-bit kernel (any row count), or plan tiles for a
-        layer without 4-bit codes. (Tile groups call F.linear on exactly the tile's shape.)"""
-        if q4 is not None:
-            return int4_linear(x, q4, bias)
-        return tiled(x, self.tiles, lambda t: _dense(f"decode{tuple(dense.shape)}", t, dense, bias))
-
-    def _int4_decode_layer(
-        self, li: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]
-    ) -> torch.Tensor:
-        """One layer for the 4-bit decode rows h: [nd, hidden] (one row per segment, in order).
-
-        These rows' KV is never cached (it is re-derived by prefill before a turn is cached), so
-        their arithmetic need not match prefill's, only be row-local: the int4 kernel, torch's fused
-        RMSNorm, one RoPE call for q and k together, and one fused attention call per session (its
-        bits depend on that session's keys only). Fewer, larger ops than the tile path: a decode step
-        is mostly per-op overhead at one row (docs/architecture.md, "Decode")."""
-        a = self.arch
-        n = h.shape[0]
-        x = self._decode_norm(h, lw.attn_norm)
-        qkv = self._decode_linear(x, lw.qkv, lw.qkv_bias, lw.qkv_q4)
-        heads = a.num_heads + a.num_kv_heads
-        if lw.q_norm is not None and lw.k_norm is not None:
-            qk = torch.cat([
-                self._decode_norm(qkv[:, : a.q_size].view(n, a.num_heads, a.head_dim), lw.q_norm),
-                self._decode_norm(qkv[:, a.q_size : a.q_size + a.kv_size].view(n, a.num_kv_heads, a.head_dim), lw.k_norm),
-            ], dim=1)
-        else:
-            qk = qkv[:, : a.q_size + a.kv_size].view(n, heads, a.head_dim)
-        qk = apply_rope(qk, cos, sin)
-        v = qkv[:, a.q_size + a.kv_size :].view(n, a.num_kv_heads, a.head_dim)
-        attn = h.new_empty(n, a.q_size)
-        for i, s in enumerate(segments):
-            kv = s.kv[li]  # [2, kv_heads, capacity, head_dim]
-            kv[0, :, s.start] = qk[i, a.num_heads :]
-            kv[1, :, s.start] = v[i]
-            length = s.start + 1
-            if self.native_decode_attention:
-                attn[i] = native.attention(qk[i : i + 1, : a.num_heads], kv[0], kv[1], s.start)[0]
-                continue
-            attn[i] = F.scaled_dot_product_attention(
-                qk[i, : a.num_heads].view(1, a.num_heads, 1, a.head_dim), kv[0, :, :length].unsqueeze(0),
-                kv[1, :, :length].unsqueeze(0), enable_gqa=True,
-            ).view(a.q_size)
-        h = h + self._decode_linear(attn, lw.o_proj, None, lw.o_q4)
-        x = self._decode_norm(h, lw.mlp_norm)
-        gu = self._decode_linear(x, lw.gate_up, None, lw.gate_up_q4)
-        act = F.silu(gu[:, : a.intermediate_size]) * gu[:, a.intermediate_size :]
-        return h + self._decode_linear(act, lw.down, None, lw.down_q4)
+        return tiled(rows, self.tiles.head,
+                     lambda t: dense("lm_head", rms_norm(t, self.final_norm, a.rms_eps), self.lm_head).float())
 
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], total: int,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixserve.models.threads import KERNEL_THREADS
+
 BLOCK = 32  # keys per attention block, aligned to absolute positions
 ATTN_TILE_TOKENS = 16  # query tokens per attention call (the last tile padded)
 
@@ -79,6 +81,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
 
 
+def dense(site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count)."""
+    return KERNEL_THREADS.run("dense", (site, x.shape[0]), lambda: linear(x, w, bias))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Row-wise RMSNorm computed in fp32 (as the reference implementation does), result in x's dtype."""
     h = x.float()
@@ -95,20 +102,33 @@ class RopeTable:
     def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
         self.inv_freq = inv_freq
         self.dtype = dtype
-        self.cos = torch.empty(0, inv_freq.shape[0] * 2, dtype=dtype, device=inv_freq.device)
+        self.cos32 = torch.empty(0, inv_freq.shape[0] * 2, dtype=torch.float32, device=inv_freq.device)
+        self.sin32 = self.cos32
+        self.cos = self.cos32.to(dtype)
         self.sin = self.cos
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [n] int64 -> cos, sin: [n, 1, head_dim] (rotate-half layout)."""
+    def _grow(self, positions: torch.Tensor) -> None:
         need = int(positions.max()) + 1 if positions.numel() else 0
         while self.cos.shape[0] < need:
             start = self.cos.shape[0]
             pos = torch.arange(start, start + self.ROPE_BLOCK, device=self.inv_freq.device).float()
             freqs = torch.outer(pos, self.inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)
-            self.cos = torch.cat([self.cos, emb.cos().to(self.dtype)])
-            self.sin = torch.cat([self.sin, emb.sin().to(self.dtype)])
+            cos, sin = emb.cos(), emb.sin()
+            self.cos32 = torch.cat([self.cos32, cos])
+            self.sin32 = torch.cat([self.sin32, sin])
+            self.cos = torch.cat([self.cos, cos.to(self.dtype)])
+            self.sin = torch.cat([self.sin, sin.to(self.dtype)])
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [n] int64 -> cos, sin: [n, 1, head_dim] (rotate-half layout)."""
+        self._grow(positions)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def lookup32(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same in fp32 before rounding: [n, head_dim] each (decode.c's RoPE)."""
+        self._grow(positions)
+        return self.cos32[positions].contiguous(), self.sin32[positions].contiguous()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Native kernels (attention.c), built on the machine that runs them and called through ctypes.
+"""Native kernels, built on the machine that runs them and called through ctypes: attention.c (causal
+attention of any rows), qmatmul.c (4- and 8-bit GGUF matmuls for decode rows and logits) and
+decode.c (a whole decode step on a team of threads), sharing simd.h.
 
-The first process that needs them compiles the C source (`cc -O3 -march=native -ffp-contract=off`,
-about a second) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
+The first process that needs them compiles the C sources (`cc -O3 -march=native -ffp-contract=off`,
+a few seconds) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
 named by a digest of the source, the flags, the compiler's version and the CPU's flags; later starts
 load the built file. Where no compiler is found or the build fails, `library()` is None and the
 callers use their torch formulation (same contract, slower; logged once). PREFIXSERVE_NATIVE=0
@@ -28,8 +30,10 @@ import torch
 
 log = logging.getLogger("prefixserve.models")
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.c")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = tuple(os.path.join(_HERE, name) for name in ("attention.c", "qmatmul.c", "decode.c"))
+_HEADERS = (os.path.join(_HERE, "simd.h"),)
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -59,8 +63,9 @@ def digest() -> str:
     global _digest
     if _digest is None:
         h = hashlib.blake2b(digest_size=8)
-        with open(_SOURCE, "rb") as f:
-            h.update(f.read())
+        for path in _SOURCES + _HEADERS:
+            with open(path, "rb") as f:
+                h.update(f.read())
         h.update(" ".join(_FLAGS).encode())
         h.update(_cpu_flags().encode())
         _digest = h.hexdigest()
@@ -71,14 +76,14 @@ def _build(cc: str) -> str:
     version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     name = hashlib.blake2b((digest() + version).encode(), digest_size=12).hexdigest()
     out_dir = build_dir()
-    path = os.path.join(out_dir, f"attention-{name}.so")
+    path = os.path.join(out_dir, f"kernels-{name}.so")
     if os.path.isfile(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *_FLAGS, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
     finally:
@@ -111,8 +116,29 @@ def library() -> ctypes.CDLL | None:
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+        P, I64 = ctypes.c_void_p, ctypes.c_int64
+        lib.qmatmul_team.restype = ctypes.c_int
+        lib.qmatmul_team.argtypes = [P, I64, I64, I64, ctypes.c_int, P, I64, P, I64, ctypes.c_int]
+        lib.decode_step.restype = ctypes.c_int
+        lib.decode_step.argtypes = [P, ctypes.c_float, ctypes.c_float, P, P, P, P, P, P, P, P, P, ctypes.c_int]
         _lib = lib
         return lib
+
+
+def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor, ways: int = 1) -> int:
+    """out[:, :N] = x @ W.T for a weight in qmatmul.c's layout (packed: uint8 [N / 4, K / 32, bytes],
+    kind 0 Q4, 1 Q8); x: [n, K] fp32 with contiguous rows, out: [n, >= N] fp32. The outputs are split
+    between `ways` threads (decode.c's team), which cannot change a bit. Returns the threads used."""
+    lib = library()
+    assert lib is not None
+    n, k = x.shape
+    rows = packed.shape[0] * 4
+    if x.dtype != torch.float32 or out.dtype != torch.float32 or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("qmatmul: fp32 rows with unit stride expected")
+    if k != packed.shape[1] * 32 or out.shape[0] != n or out.shape[1] < rows or rows % 16:
+        raise ValueError(f"qmatmul: shapes x {tuple(x.shape)}, weight {tuple(packed.shape)}, out {tuple(out.shape)}")
+    return int(lib.qmatmul_team(x.data_ptr(), n, x.stride(0), k, kind, packed.data_ptr(), rows, out.data_ptr(),
+                                out.stride(0), ways))
 
 
 def kernel_name(native: bool) -> str:

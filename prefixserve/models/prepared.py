@@ -46,7 +46,8 @@ log = logging.getLogger("prefixserve.models")
 FORMAT = 1
 MAX_ENTRIES = 4
 # the code that turns a file into the runtime's tensors: a change to any of it is a new key
-_PREPARING_MODULES = ("prepared.py", "gguf_loader.py", "weights.py", "quant.py", "tokenizer.py", "loader.py", "decoder.py")
+_PREPARING_MODULES = ("prepared.py", "gguf_loader.py", "weights.py", "quant.py", "tokenizer.py", "loader.py", "decoder.py",
+                      "qmatmul.c")  # (qmatmul.c: the native 4-bit layout)
 _LAYER_TENSORS = ("attn_norm", "qkv", "qkv_bias", "o_proj", "mlp_norm", "gate_up", "down", "q_norm", "k_norm")
 _LAYER_INT4 = ("qkv_q4", "o_q4", "gate_up_q4", "down_q4")
 
@@ -82,6 +83,8 @@ def key_parts(identity: str, dtype: torch.dtype, device: str, int4: bool) -> dic
         "dtype": str(dtype),
         "device": device,
         "int4": str(int4),
+        # 4-bit weights packed for the native kernels or for torch's (models/quant.py)
+        "int4_native": str(int4 and quant.native_available(dtype, device)),
         "torch": torch.__version__,
         # the int4 kernel's packed layout follows the ISA torch dispatches to
         "cpu_capability": torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
@@ -168,13 +171,14 @@ def cached_or_prepare(
 def _int4(w: Int4Weight | None) -> dict[str, Any] | None:
     if w is None:
         return None
-    return {"out": w.out_features, "packed": [p for p, _ in w.parts], "sz": [s for _, s in w.parts]}
+    return {"out": w.out_features, "packed": [p for p, _ in w.parts], "sz": [s for _, s in w.parts],
+            "native": w.native, "native_kind": w.native_kind}
 
 
 def _from_int4(d: dict[str, Any] | None) -> Int4Weight | None:
     if d is None:
         return None
-    return Int4Weight(list(zip(d["packed"], d["sz"])), int(d["out"]))
+    return Int4Weight(list(zip(d["packed"], d["sz"])), int(d["out"]), d.get("native"), int(d.get("native_kind", 0)))
 
 
 def _tensors(decoder: Decoder) -> dict[str, Any]:
@@ -211,6 +215,10 @@ def _decoder(arch: ArchConfig, t: dict[str, Any], tiles: TilePlan) -> Decoder:
         getattr(lw, name) is not None for lw in layers for name in _LAYER_INT4)
     if decoder.int4_decode and not quant.available(decoder.dtype, decoder.device.type):
         raise ValueError("the entry holds 4-bit weights this runtime cannot run")
+    packs = [decoder.lm_head_q4] + [getattr(lw, name) for lw in layers for name in _LAYER_INT4]
+    if any(w is not None and w.native is not None for w in packs) and not quant.native_available(
+            decoder.dtype, decoder.device.type):
+        raise ValueError("the entry holds 4-bit weights packed for native kernels that did not build")
     return decoder
 
 

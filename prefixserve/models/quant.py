@@ -14,6 +14,14 @@ Layout of the kernel's dequantisation: w = (code - 8) * scale + zero, per group 
 - Q8_0 (d, int8 q):     w = d*q = d*(16h + l - 128) with h, l the nibbles of q + 128, run as two
   4-bit matrices: (h - 8) * 16d  +  ((l - 8) * d + 8d); their outputs are added.
 Scales and zeros are rounded to bf16 (the kernel's requirement), like the dense bf16 weights.
+
+Where the native kernels build (models/native.py), the weights are packed for qmatmul.c instead:
+the GGUF codes as they are (Q4: nibbles with fp32 scale and bias per group, w = scale * code + bias;
+Q8_0: one int8 matrix with its fp32 scales, one pass instead of two 4-bit ones), interleaved by
+blocks of 4 outputs so that a block streams from one place. Each output is one fixed loop in fp32
+(qmatmul.c), its threads split the outputs: a row's bits depend on nothing but the row. On the
+Ice Lake machine it ran a decode step's 4-bit matmuls 2-3x faster than torch's kernel and is the
+only one the one-call decode step (decode.c) uses.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prefixserve.models import native
 from prefixserve.models.threads import KERNEL_THREADS
 
 GROUP = 32  # GGUF's block size, and the kernel's group size
@@ -40,14 +49,31 @@ class Codes:
 
 @dataclass(slots=True)
 class Int4Weight:
-    """A linear layer's weight as one or two packed 4-bit matrices whose outputs are summed."""
+    """A linear layer's weight: one or two packed 4-bit matrices for torch's kernel whose outputs are
+    summed, or (`native`) one matrix in qmatmul.c's layout."""
 
     parts: list[tuple[torch.Tensor, torch.Tensor]]  # (packed codes, scales_and_zeros [K/G, N_pad, 2] bf16)
     out_features: int
+    native: torch.Tensor | None = None  # uint8 [N_pad / 4, K / GROUP, 96 (Q4) or 144 (Q8)]; parts then empty
+    native_kind: int = 0  # 0: Q4, 1: Q8
 
     @property
     def in_features(self) -> int:
+        if self.native is not None:
+            return int(self.native.shape[1]) * GROUP
         return int(self.parts[0][1].shape[0]) * GROUP
+
+    @property
+    def rows(self) -> int:
+        """Output rows the kernel computes (out_features padded)."""
+        if self.native is not None:
+            return int(self.native.shape[0]) * 4
+        return int(self.parts[0][0].shape[0]) if self.parts else self.out_features
+
+
+def native_available(dtype: torch.dtype, device: str) -> bool:
+    """Whether 4-bit weights are packed for qmatmul.c (PREFIXSERVE_NATIVE=0 or no compiler: torch's kernel)."""
+    return dtype == torch.bfloat16 and device == "cpu" and native.library() is not None
 
 
 def available(dtype: torch.dtype, device: str) -> bool:
@@ -90,12 +116,15 @@ def dequantize(codes: list[Codes]) -> torch.Tensor:
     return out
 
 
-def pack(pieces: list[list[Codes]]) -> Int4Weight | None:
-    """Stack the row blocks of a fused weight (q, k, v or gate, up) and pack them for the kernel.
-    None when the pieces do not have the same number of parts (mixed Q4 and Q8_0)."""
+def pack(pieces: list[list[Codes]], native_layout: bool = False) -> Int4Weight | None:
+    """Stack the row blocks of a fused weight (q, k, v or gate, up) and pack them for torch's kernel,
+    or for qmatmul.c (`native_layout`). None when the pieces do not have the same number of parts
+    (mixed Q4 and Q8_0)."""
     num_parts = {len(p) for p in pieces}
     if len(num_parts) != 1:
         return None
+    if native_layout:
+        return _pack_native(pieces)
     n = sum(p[0].q.shape[0] for p in pieces)
     pad = -n % 16  # the kernel packs 16 output rows at a time; padded rows are zero
     parts = []
@@ -113,12 +142,55 @@ def pack(pieces: list[list[Codes]]) -> Int4Weight | None:
     return Int4Weight(parts, n)
 
 
+def _pack_native(pieces: list[list[Codes]]) -> Int4Weight:
+    """qmatmul.c's layout of the stacked pieces (see its header), outputs padded to 16 with zeros."""
+    n = sum(p[0].q.shape[0] for p in pieces)
+    pad = -n % 16
+    k = pieces[0][0].q.shape[1]
+    g = k // GROUP
+    if len(pieces[0]) == 2:  # Q8_0 as codes_from_gguf split it: q = 16 hi + lo - 128, scale d (the low part's)
+        q = torch.cat([16 * p[0].q + p[1].q - 128 for p in pieces]).to(torch.int8)
+        scale = torch.cat([p[1].scale for p in pieces])
+        q = torch.cat([q, q.new_zeros(pad, k)]).view(torch.uint8).view(-1, 4, g, GROUP)
+        codes = q.permute(0, 2, 1, 3).reshape(-1, g, 4 * GROUP)
+        extras = [scale]
+        kind = 1
+    else:
+        c = torch.cat([p[0].q for p in pieces]).view(n, g, 2, GROUP // 2)
+        nibbles = (c[:, :, 0] | (c[:, :, 1] << 4)).to(torch.uint8)  # byte j: code j low, code j + 16 high
+        scale = torch.cat([p[0].scale for p in pieces])
+        bias = torch.cat([p[0].zero for p in pieces]) - 8 * scale  # w = scale * (code - 8) + zero
+        nibbles = torch.cat([nibbles, nibbles.new_zeros(pad, g, GROUP // 2)]).view(-1, 4, g, GROUP // 2)
+        codes = nibbles.permute(0, 2, 1, 3).reshape(-1, g, 2 * GROUP)
+        extras = [scale, bias]
+        kind = 0
+    blocks = [codes]
+    for e in extras:
+        e = torch.cat([e.float(), e.new_zeros(pad, g).float()]).view(-1, 4, g).permute(0, 2, 1).contiguous()
+        blocks.append(e.view(torch.uint8).view(-1, g, 16))
+    return Int4Weight([], n, torch.cat(blocks, dim=-1).contiguous(), kind)
+
+
 def int4_linear(
-    x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    ways: int | None = None,
 ) -> torch.Tensor:
     """x: [rows, K] bf16 -> [rows, out] (x's dtype unless out_dtype). Two-part (Q8_0) outputs are
     added in fp32. Each row's bits are independent of the other rows (and, as the self-test checks
-    before allowing it, of the thread count: models/threads.py)."""
+    before allowing it, of the thread count: models/threads.py). `ways`: the native kernel's thread
+    count (default: what KERNEL_THREADS allows "int4" calls)."""
+    if w.native is not None:
+        xf = x.float().contiguous()
+        out = torch.empty(x.shape[0], w.rows)
+        packed = w.native
+        if ways is None:
+            KERNEL_THREADS.team("int4", (id(w), x.shape[0]), lambda t: native.qmatmul(xf, packed, w.native_kind, out, t))
+        else:
+            native.qmatmul(xf, packed, w.native_kind, out, ways)
+        y = out[:, : w.out_features]
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype or x.dtype)
     x = x.contiguous()
 
     def call() -> list[torch.Tensor]:

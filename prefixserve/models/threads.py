@@ -114,12 +114,26 @@ class KernelThreads:
             took = time.perf_counter() - t0
         finally:
             torch.set_num_threads(base)
+        self._timed(key, took)
+        return y
+
+    def team(self, kind: str, key: Hashable, fn: Callable[[int], T]) -> T:
+        """fn(ways) for a native call that runs on a team of `ways` threads (decode.c); timed like
+        `run` (its stall rule, keyed by call site and shape)."""
+        ways = self.parallel_ways(kind)
+        if ways <= 1:
+            return fn(1)
+        t0 = time.perf_counter()
+        y = fn(ways)
+        self._timed(key, time.perf_counter() - t0)
+        return y
+
+    def _timed(self, key: Hashable, took: float) -> None:
         fastest = self._fastest.get(key)
         if fastest is None or took < fastest:
             self._fastest[key] = took
         elif took > self.STALL_FACTOR * fastest + self.STALL_SLACK_S:
             self._stalled()
-        return y
 
     def _stalled(self) -> None:
         self.stalls += 1

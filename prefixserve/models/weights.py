@@ -9,7 +9,7 @@ import torch
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder, LayerWeights
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.quant import Codes, Int4Weight, pack
+from prefixserve.models.quant import Codes, Int4Weight, native_available, pack
 
 GetTensor = Callable[[str], "torch.Tensor | None"]  # HF name -> fp32 tensor, or None when absent
 GetCodes = Callable[[str], "list[Codes] | None"]  # HF name -> 4-bit codes (models/quant.py), or None
@@ -69,14 +69,16 @@ def build_decoder(arch: ArchConfig, get: GetTensor, dtype: torch.dtype, device: 
 
 def attach_int4(decoder: Decoder, get: GetCodes) -> int:
     """Give every linear layer whose GGUF codes the int4 kernel takes a 4-bit copy for decode rows.
-    Returns how many of the model's linear weights got one (the rest decode dense)."""
+    Returns how many of the model's linear weights got one (the rest decode dense). Packed for the
+    native kernels where they build (models/quant.py)."""
     arch = decoder.arch
+    native_layout = native_available(decoder.dtype, decoder.device.type)
 
     def fused(*names: str) -> Int4Weight | None:
         pieces = [get(n) for n in names]
         if any(p is None for p in pieces):
             return None
-        return pack(pieces)  # type: ignore[arg-type]
+        return pack(pieces, native_layout)  # type: ignore[arg-type]
 
     count = 0
     for i, lw in enumerate(decoder.layers):

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.models import native
-from prefixserve.models.decoder import Decoder
+from prefixserve.models import native, native_decode
+from prefixserve.models.decoder import Decoder, Segment
 from prefixserve.models.layers import TilePlan, linear
 from prefixserve.models.quant import Int4Weight, int4_linear
 from prefixserve.models.threads import KERNEL_THREADS
@@ -178,11 +178,18 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
         for name, w4 in int4:
             for rows in (1, 4, MAX_DECODE_ROWS):
                 x = torch.randn(rows, w4.in_features, generator=g).to(torch.bfloat16)
-                if not torch.equal(KERNEL_THREADS.on(base, int4_linear, x, w4), KERNEL_THREADS.on(many, int4_linear, x, w4)):
+                if w4.native is not None:  # qmatmul.c on decode.c's team
+                    same = torch.equal(int4_linear(x, w4, ways=base), int4_linear(x, w4, ways=many))
+                else:
+                    same = torch.equal(KERNEL_THREADS.on(base, int4_linear, x, w4), KERNEL_THREADS.on(many, int4_linear, x, w4))
+                if not same:
                     failed = f"4-bit {name} differs between {base} and {many} threads at {rows} rows"
                     break
             if failed:
                 break
+        plan = dec.native_decode_plan() if isinstance(dec, Decoder) else None
+        if not failed and plan is not None:
+            failed = _check_decode_threads(dec, plan, base, many, g)
         if failed:
             why.append(failed)
         else:
@@ -198,6 +205,25 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
         else:
             why.append(f"native attention split {many} ways differs")
     return passed, "; ".join(why)
+
+
+def _check_decode_threads(dec: Decoder, plan: native_decode.DecodePlan, base: int, many: int,
+                          g: torch.Generator) -> str:
+    """'' when the native decode step (decode.c) gives the same logits and K/V on both counts, for
+    three sessions at once (keys past a 16-key block's end, and not)."""
+    a = dec.arch
+    starts = [5, 40, 301]
+    kv = (torch.randn(len(starts), a.num_layers, 2, a.num_kv_heads, 320, a.head_dim, generator=g) / 2).to(dec.dtype)
+    tokens = torch.randint(0, a.vocab_size, (len(starts),), generator=g)
+    runs = []
+    for ways in (base, many):
+        mine = kv.clone()
+        segments = [Segment(s, 1, mine[i], decode=True) for i, s in enumerate(starts)]
+        runs.append((native_decode.decode_rows(dec, plan, tokens, segments, ways), mine))
+    (la, ka), (lb, kb) = runs
+    if la is None or lb is None or not torch.equal(la, lb) or not torch.equal(ka, kb):
+        return f"native decode step differs between {base} and {many} threads"
+    return ""
 
 
 def check_int4_rows(dec: Decoder, seed: int = 11) -> str:

@@ -1,0 +1,385 @@
+/* A decode step of a Llama-family model in one call: every layer, then the final norm and the
+ * logits, for n decoded tokens (one per session), on a team of threads (models/decoder.py
+ * `Decoder.native_decode_rows`, docs/architecture.md "Decode").
+ *
+ * Built with attention.c and qmatmul.c by models/native.py and called through ctypes. Decoded
+ * tokens' KV is never cached (the engine re-derives it by prefill), so their arithmetic need not
+ * match prefill's, only be row-local: each row's bits depend on its own token, position and keys,
+ * never on the other rows of the call or on the number of threads. Every step below is one fixed
+ * loop per row (fp32 throughout; K and V rounded to bf16 as the cache holds them):
+ *   RMSNorm     ss = hsum of 16-lane chains of x*x; r = 1 / sqrtf(ss / d + eps); x * r * w
+ *   matmuls     qmatmul.c (4-bit layers, 8- or 4-bit logits); threads split the outputs
+ *   q/k         + bias, per-head RMSNorm (where the model has them), RoPE (fp32 cos/sin)
+ *   attention   scores s_j = hsum(q . k_j) (4 chains of 16 lanes over head_dim, scaled q), m = max,
+ *               e_j = exp(s_j - m) (simd.h v_exp, 16 keys at a time), den = hsum of a 16-lane
+ *               chain, out = (sum_j e_j v_j, chains in key order) / den
+ *   MLP         silu(g) * u with silu(g) = g * sigmoid(g) from exp(-|g|)
+ * Threads split outputs of a matmul, or (row, kv head) pairs of attention: who computes a value
+ * never changes how.
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+
+#include "simd.h"
+
+void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
+             float *out, int64_t ldo);
+
+/* ---- a team of threads: the caller is member 0, MAXT - 1 workers at most ---- */
+enum { MAXT = 16, SPINS = 4000 };  /* pauses (~30-140 cycles each) before yielding or sleeping */
+typedef void (*task_fn)(void *arg, int t, int T);
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t th[MAXT];
+    int started;
+    atomic_int gen, done, sleeping;
+    task_fn fn;
+    void *arg;
+    int T;
+} team = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static inline void relax(long *spins) {
+    if (++*spins < SPINS) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();  /* the other member is not running: give the core away */
+    }
+}
+
+static void *worker(void *p) {
+    int t = (int)(intptr_t)p, seen = 0;
+    for (;;) {
+        long spins = 0;
+        while (atomic_load(&team.gen) == seen && spins < SPINS) relax(&spins);
+        if (atomic_load(&team.gen) == seen) {
+            pthread_mutex_lock(&team.mu);
+            atomic_fetch_add(&team.sleeping, 1);
+            while (atomic_load(&team.gen) == seen) pthread_cond_wait(&team.cv, &team.mu);
+            atomic_fetch_sub(&team.sleeping, 1);
+            pthread_mutex_unlock(&team.mu);
+        }
+        seen = atomic_load(&team.gen);
+        if (t < team.T) team.fn(team.arg, t, team.T);
+        atomic_fetch_add(&team.done, 1);
+    }
+    return NULL;
+}
+
+static void after_fork(void) { team.started = 0; }  /* a forked child has no workers */
+
+static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;  /* one team call at a time */
+
+static int run_team_locked(task_fn fn, void *arg, int T);
+
+static int run_team(task_fn fn, void *arg, int T) {
+    if (T > MAXT) T = MAXT;
+    if (T <= 1) {
+        fn(arg, 0, 1);
+        return 1;
+    }
+    pthread_mutex_lock(&run_mu);
+    int got = run_team_locked(fn, arg, T);
+    pthread_mutex_unlock(&run_mu);
+    return got;
+}
+
+static int run_team_locked(task_fn fn, void *arg, int T) {
+    if (team.started < T - 1) {
+        if (team.started == 0) pthread_atfork(NULL, NULL, after_fork);
+        while (team.started < T - 1) {
+            if (pthread_create(&team.th[team.started + 1], NULL, worker, (void *)(intptr_t)(team.started + 1)) != 0)
+                break;
+            pthread_detach(team.th[team.started + 1]);
+            team.started++;
+        }
+        if (team.started < T - 1) T = team.started + 1;
+        if (T <= 1) {
+            fn(arg, 0, 1);
+            return 1;
+        }
+    }
+    team.fn = fn;
+    team.arg = arg;
+    team.T = T;
+    atomic_store(&team.done, 0);
+    pthread_mutex_lock(&team.mu);
+    atomic_fetch_add(&team.gen, 1);
+    if (atomic_load(&team.sleeping)) pthread_cond_broadcast(&team.cv);
+    pthread_mutex_unlock(&team.mu);
+    fn(arg, 0, T);
+    long spins = 0;
+    while (atomic_load(&team.done) < team.started) relax(&spins);  /* every worker, busy or not */
+    return T;
+}
+
+typedef struct {
+    atomic_int count, sense;
+} barrier_t;
+
+static void barrier(barrier_t *b, int *local, int T) {
+    if (T <= 1) return;
+    *local = !*local;
+    if (atomic_fetch_add(&b->count, 1) == T - 1) {
+        atomic_store(&b->count, 0);
+        atomic_store(&b->sense, *local);
+    } else {
+        long spins = 0;
+        while (atomic_load(&b->sense) != *local) relax(&spins);
+    }
+}
+
+/* ---- the team's share of a matmul: blocks of 16 outputs (N a multiple of 16) split evenly ---- */
+static void share(int64_t N, int t, int T, int64_t *o0, int64_t *o1) {
+    int64_t blocks = N / 16;
+    *o0 = blocks * t / T * 16;
+    *o1 = blocks * (t + 1) / T * 16;
+}
+
+typedef struct {
+    const float *x;
+    int64_t n, ldx, K, N, ldo;
+    int kind;
+    const uint8_t *q;
+    float *out;
+} mm_args;
+
+static void mm_task(void *p, int t, int T) {
+    mm_args *a = p;
+    int64_t o0, o1;
+    share(a->N, t, T, &o0, &o1);
+    qmatmul(a->x, a->n, a->ldx, a->K, a->kind, a->q, o0, o1, a->out, a->ldo);
+}
+
+/* qmatmul of all N outputs on `ways` threads; returns the count used */
+int qmatmul_team(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t N,
+                 float *out, int64_t ldo, int ways) {
+    mm_args a = {x, n, ldx, K, N, ldo, kind, q, out};
+    return run_team(mm_task, &a, ways);
+}
+
+/* ---- row-local pieces ---- */
+static float sumsq(const float *x, int64_t d) {
+    vec acc = V_ZERO();
+    for (int64_t i = 0; i < d; i += 16) {
+        vec v = V_LOAD(x + i);
+        acc = V_FMA(v, v, acc);
+    }
+    return hsum(acc);
+}
+
+static void rmsnorm(const float *x, const float *w, int64_t d, float eps, float *y) {
+    vec r = V_SET1(1.0f / sqrtf(sumsq(x, d) / (float)d + eps));
+    for (int64_t i = 0; i < d; i += 16) V_STORE(y + i, V_MUL(V_MUL(V_LOAD(x + i), r), V_LOAD(w + i)));
+}
+
+/* rotate-half RoPE of one head in place: x * cos + rot(x) * sin (products rounded, then added) */
+static void rope(float *x, const float *cs, const float *sn, int hd) {
+    float tmp[512];
+    int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        tmp[i] = x[i] * cs[i] + (-x[i + half]) * sn[i];
+        tmp[i + half] = x[i + half] * cs[i + half] + x[i] * sn[i + half];
+    }
+    memcpy(x, tmp, (size_t)hd * sizeof(float));
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline vec silu(vec g) {
+    /* g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below */
+#if defined(__AVX512F__)
+    vec a = _mm512_abs_ps(g);
+    vec e = v_exp(V_SUB(V_ZERO(), a));
+    vec one = V_SET1(1.0f), den = V_ADD(one, e);
+    __mmask16 neg = _mm512_cmp_ps_mask(g, V_ZERO(), _CMP_LT_OQ);
+    vec num = _mm512_mask_blend_ps(neg, one, e);
+    return V_MUL(g, V_DIV(num, den));
+#else
+    vec r;
+    for (int i = 0; i < 16; i++) {
+        float x = g.f[i], e = expf(-fabsf(x));
+        r.f[i] = x * ((x < 0.0f ? e : 1.0f) / (1.0f + e));
+    }
+    return r;
+#endif
+}
+
+/* attention of the `rep` query heads q[rep][hd] (scaled) over keys 0..last of one kv head:
+ * k, v [>= last + 1][hd] bf16; s: scratch of (last + 16) * rep floats; out[rep][hd] */
+static void attend(const float *q, int rep, int hd, const uint16_t *k, const uint16_t *v, int64_t last, float *s,
+                   float *out) {
+    int64_t n = last + 1, nb = (n + 15) / 16;
+    int nv = hd / 16;
+    for (int64_t j = 0; j < n; j++) {
+        vec kj[32];
+        for (int c = 0; c < nv; c++) kj[c] = v_load_bf16(k + j * hd + 16 * c);
+        for (int h = 0; h < rep; h++) {
+            vec t = V_MUL(V_LOAD(q + h * hd), kj[0]);
+            for (int c = 1; c < nv; c++) t = V_FMA(V_LOAD(q + h * hd + 16 * c), kj[c], t);
+            s[h * nb * 16 + j] = hsum(t);
+        }
+    }
+    for (int h = 0; h < rep; h++) {
+        float *sh = s + h * nb * 16;
+        for (int64_t j = n; j < nb * 16; j++) sh[j] = -INFINITY;
+        vec mv = V_SET1(-INFINITY);
+        for (int64_t b = 0; b < nb; b++) mv = V_MAX(mv, V_LOAD(sh + b * 16));
+        vec m = V_SET1(v_hmax(mv)), den = V_ZERO();
+        for (int64_t b = 0; b < nb; b++) {
+            vec e = v_exp(V_SUB(V_LOAD(sh + b * 16), m));
+            V_STORE(sh + b * 16, e);
+            den = V_ADD(den, e);
+        }
+        vec dv = V_SET1(hsum(den));
+        vec acc[32];
+        for (int c = 0; c < nv; c++) acc[c] = V_ZERO();
+        for (int64_t j = 0; j < n; j++) {
+            vec e = V_SET1(sh[j]);
+            for (int c = 0; c < nv; c++) acc[c] = V_FMA(e, v_load_bf16(v + j * hd + 16 * c), acc[c]);
+        }
+        for (int c = 0; c < nv; c++) V_STORE(out + h * hd + 16 * c, V_DIV(acc[c], dv));
+    }
+}
+
+/* ---- the step ---- */
+/* a layer's weights: fp32 vectors and qmatmul.c packs; W_KINDS: bit i set when pack i (qkv, o,
+ * gate_up, down) is Q8 rather than Q4 */
+enum { W_ATTN_NORM, W_MLP_NORM, W_Q_NORM, W_K_NORM, W_QKV_BIAS, W_QKV, W_O, W_GATE_UP, W_DOWN, W_KINDS, W_PER_LAYER };
+
+typedef struct {
+    int64_t n, hidden, heads, kv_heads, hd, inter, layers, vocab_pad, head_kind;
+    float eps, scale;
+    const int64_t *w;        /* [layers][W_PER_LAYER] addresses (0: absent) */
+    const float *final_norm; /* [hidden] */
+    const uint8_t *head;     /* the logits' weight (qmatmul layout), or NULL: y gets the normed hidden */
+    float *h;                /* [n][hidden] in: embeddings; out: the last layer's output */
+    const int64_t *pos;      /* [n] */
+    const float *cs, *sn;    /* [n][hd] */
+    const int64_t *kv;       /* [n][4]: K address of layer 0 head 0, layer stride, V - K offset, head stride (elements) */
+    float *y;                /* [n][vocab_pad] logits, or [n][hidden] */
+    /* scratch */
+    float *qkv, *attn, *gu, *act, *tmp, *xs; /* xs: [T][n][max(hidden, inter)] */
+    float **scores;                          /* [T] */
+    barrier_t bar;
+} step_t;
+
+static void step_task(void *p, int t, int T) {
+    step_t *s = p;
+    int local = 0;
+    int64_t n = s->n, d = s->hidden, hd = s->hd, kvh = s->kv_heads, rep = s->heads / kvh;
+    int64_t qs = s->heads * hd, ks = kvh * hd, nqkv = qs + 2 * ks, inter = s->inter;
+    float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
+    int64_t o0, o1;
+    for (int64_t l = 0; l < s->layers; l++) {
+        const int64_t *w = s->w + l * W_PER_LAYER;
+        const float *qn = (const float *)w[W_Q_NORM], *kn = (const float *)w[W_K_NORM], *bias = (const float *)w[W_QKV_BIAS];
+        for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_ATTN_NORM], d, s->eps, x + r * d);
+        share(nqkv, t, T, &o0, &o1);
+        qmatmul(x, n, d, d, (int)(w[W_KINDS] & 1), (const uint8_t *)w[W_QKV], o0, o1, s->qkv, nqkv);
+        barrier(&s->bar, &local, T);
+        for (int64_t task = t; task < n * kvh; task += T) {
+            int64_t r = task / kvh, g = task % kvh;
+            float *row = s->qkv + r * nqkv, *kr = row + qs + g * hd, *vr = row + qs + ks + g * hd;
+            const float *cs = s->cs + r * hd, *sn = s->sn + r * hd;
+            float qh[32 * 512 / 16];
+            for (int64_t h = 0; h < rep; h++) {
+                float *qr = row + (g * rep + h) * hd, *dst = qh + h * hd;
+                if (bias)
+                    for (int64_t i = 0; i < hd; i++) qr[i] = qr[i] + bias[(g * rep + h) * hd + i];
+                if (qn) rmsnorm(qr, qn, hd, s->eps, qr);
+                rope(qr, cs, sn, (int)hd);
+                for (int64_t i = 0; i < hd; i++) dst[i] = qr[i] * s->scale;
+            }
+            if (bias)
+                for (int64_t i = 0; i < hd; i++) {
+                    kr[i] = kr[i] + bias[qs + g * hd + i];
+                    vr[i] = vr[i] + bias[qs + ks + g * hd + i];
+                }
+            if (kn) rmsnorm(kr, kn, hd, s->eps, kr);
+            rope(kr, cs, sn, (int)hd);
+            const int64_t *kv = s->kv + r * 4;
+            uint16_t *kc = (uint16_t *)kv[0] + l * kv[1] + g * kv[3], *vc = kc + kv[2];
+            int64_t at = s->pos[r];
+            for (int64_t i = 0; i < hd; i++) {
+                kc[at * hd + i] = to_bf16(kr[i]);
+                vc[at * hd + i] = to_bf16(vr[i]);
+            }
+            attend(qh, (int)rep, (int)hd, kc, vc, at, s->scores[t], s->attn + r * qs + g * rep * hd);
+        }
+        barrier(&s->bar, &local, T);
+        share(d, t, T, &o0, &o1);
+        qmatmul(s->attn, n, qs, qs, (int)(w[W_KINDS] >> 1 & 1), (const uint8_t *)w[W_O], o0, o1, s->tmp, d);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = o0; i < o1; i++) s->h[r * d + i] = s->h[r * d + i] + s->tmp[r * d + i];
+        barrier(&s->bar, &local, T);
+        for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
+        share(inter, t, T, &o0, &o1);
+        qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], o0, o1, s->gu, 2 * inter);
+        qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], inter + o0, inter + o1, s->gu, 2 * inter);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = o0; i < o1; i += 16) {
+                const float *g = s->gu + r * 2 * inter + i;
+                V_STORE(s->act + r * inter + i, V_MUL(silu(V_LOAD(g)), V_LOAD(g + inter)));
+            }
+        barrier(&s->bar, &local, T);
+        share(d, t, T, &o0, &o1);
+        qmatmul(s->act, n, inter, inter, (int)(w[W_KINDS] >> 3 & 1), (const uint8_t *)w[W_DOWN], o0, o1, s->tmp, d);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = o0; i < o1; i++) s->h[r * d + i] = s->h[r * d + i] + s->tmp[r * d + i];
+        barrier(&s->bar, &local, T);
+    }
+    if (s->head == NULL) {
+        for (int64_t r = t; r < n; r += T) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, s->y + r * d);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, x + r * d);
+    share(s->vocab_pad, t, T, &o0, &o1);
+    qmatmul(x, n, d, d, (int)s->head_kind, s->head, o0, o1, s->y, s->vocab_pad);
+}
+
+/* dims: n, hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head_kind;
+ * returns the threads used, or -1 when out of memory. Shapes are the caller's to check: hidden,
+ * intermediate, heads * head_dim multiples of 32, head_dim of 16, head_dim <= 512, heads / kv_heads * head_dim
+ * <= 1024, every matmul's outputs (and vocab_pad) a multiple of 16. */
+int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, const float *final_norm,
+                const uint8_t *head, float *h, const int64_t *pos, const float *cs, const float *sn,
+                const int64_t *kv, float *y, int ways) {
+    step_t s;
+    memset(&s, 0, sizeof s);
+    s.n = dims[0], s.hidden = dims[1], s.heads = dims[2], s.kv_heads = dims[3], s.hd = dims[4];
+    s.inter = dims[5], s.layers = dims[6], s.vocab_pad = dims[7], s.head_kind = dims[8];
+    s.eps = eps, s.scale = scale, s.w = w, s.final_norm = final_norm, s.head = head;
+    s.h = h, s.pos = pos, s.cs = cs, s.sn = sn, s.kv = kv, s.y = y;
+    int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
+    int64_t n = s.n, qs = s.heads * s.hd, nqkv = qs + 2 * s.kv_heads * s.hd, wide = s.hidden > s.inter ? s.hidden : s.inter;
+    int64_t maxpos = 0;
+    for (int64_t r = 0; r < n; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    int64_t per_scores = (maxpos + 32) * (s.heads / s.kv_heads);
+    float *buf = aligned_alloc(64, (size_t)(n * (nqkv + qs + 3 * s.inter + s.hidden) + T * n * wide + T * per_scores) *
+                                       sizeof(float) + 64);
+    float *sc[MAXT];
+    if (!buf) return -1;
+    float *p = buf;
+    s.qkv = p, p += n * nqkv;
+    s.attn = p, p += n * qs;
+    s.gu = p, p += 2 * n * s.inter;
+    s.act = p, p += n * s.inter;
+    s.tmp = p, p += n * s.hidden;
+    s.xs = p, p += T * n * wide;
+    for (int t = 0; t < T; t++) sc[t] = p, p += per_scores;
+    s.scores = sc;
+    /* a member count the team cannot reach would leave the barrier waiting: run_team says how many it
+     * got before any member starts, so the task sees T as run */
+    run_team(step_task, &s, T);
+    free(buf);
+    return T;
+}

@@ -1,0 +1,152 @@
+"""The native 4-bit matmul (qmatmul.c) and the one-call decode step (decode.c, models/native_decode.py):
+they compute what the weights say, a row's bits are its own whatever the batch and the thread count,
+and a model decoded this way stays close to its dense path (llama, qwen2's qkv bias, qwen3's q/k norms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixserve.models import native, native_decode
+from prefixserve.models.decoder import Segment
+from prefixserve.models.hf_loader import HFModel
+from prefixserve.models.layers import TilePlan
+from prefixserve.models.quant import GROUP, Codes, dequantize, int4_linear, pack
+from prefixserve.models.weights import attach_int4, build_decoder
+from prefixserve.runner import ModelRunner, StepItem
+from tests.runner.test_reference import make_tiny
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native kernels cannot build")
+
+
+def _codes(g: torch.Generator, n: int, k: int, q8: bool) -> list[Codes]:
+    if q8:  # as codes_from_gguf splits a Q8_0 matrix: q + 128 = 16 hi + lo
+        q = torch.randint(-128, 128, (n, k), generator=g) + 128
+        d = torch.rand(n, k // GROUP, generator=g) * 0.01
+        return [Codes(q >> 4, 16 * d, torch.zeros_like(d)), Codes(q & 15, d, 8 * d)]
+    d = torch.rand(n, k // GROUP, generator=g) * 0.1
+    m = torch.randn(n, k // GROUP, generator=g) * 0.1
+    return [Codes(torch.randint(0, 16, (n, k), generator=g), d, m + 8 * d)]
+
+
+@pytest.mark.parametrize("q8", [False, True])
+@pytest.mark.parametrize("n", [48, 100])
+def test_qmatmul_rows_are_their_own_and_exact_to_fp32(n, q8):
+    g = torch.Generator().manual_seed(n)
+    k = 160
+    codes = _codes(g, n, k, q8)
+    w = pack([codes], native_layout=True)
+    assert w is not None and w.native is not None and w.out_features == n and w.rows == n + (-n % 16)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    full = int4_linear(x, w, out_dtype=torch.float32, ways=1)
+    reference = F.linear(x.double(), dequantize(codes).double())
+    assert (full.double() - reference).abs().max() <= 1e-5 * reference.abs().max()  # fp32 throughout
+    for rows in range(1, 21):
+        for offset in (0, 7, 40 - rows):
+            part = int4_linear(x[offset : offset + rows], w, out_dtype=torch.float32, ways=1)
+            assert torch.equal(part, full[offset : offset + rows]), (rows, offset)
+    for ways in (2, 3):  # outputs split between threads: the same bits
+        assert torch.equal(int4_linear(x, w, out_dtype=torch.float32, ways=ways), full)
+
+
+def _quantise(w: torch.Tensor) -> list[Codes]:
+    """A Q4_1-style rounding of an fp32 [N, K] weight (per group of 32: scale and minimum)."""
+    n, k = w.shape
+    groups = w.view(n, k // GROUP, GROUP)
+    lo, hi = groups.min(-1).values, groups.max(-1).values
+    d = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((groups - lo.unsqueeze(-1)) / d.unsqueeze(-1)).round().clamp(0, 15).to(torch.int64).view(n, k)
+    return [Codes(q, d, lo + 8 * d)]
+
+
+def _runner(folder: str, int4: bool) -> ModelRunner:
+    hf = HFModel(folder)
+    dec = build_decoder(hf.arch, hf.tensor, torch.bfloat16, "cpu", TilePlan())
+    if int4:
+        def get(name: str) -> list[Codes] | None:
+            t = hf.tensor(name)
+            return None if t is None else _quantise(t.float())
+        assert attach_int4(dec, get) > 0
+    return ModelRunner(dec)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp(request.param))
+    make_tiny(request.param, folder, intermediate_size=128, head_dim=16, tie_word_embeddings=True)
+    return folder
+
+
+def _start(r: ModelRunner, ids: list[int]):
+    st = r.new_state()
+    r.step([StepItem(st, ids)])
+    return st
+
+
+def _torch_packed(folder: str, monkeypatch) -> ModelRunner:
+    """The same 4-bit codes packed for torch's kernel: decode rows run the per-layer torch formulation."""
+    from prefixserve.models import weights
+    with monkeypatch.context() as m:
+        m.setattr(weights, "native_available", lambda dtype, device: False)
+        r = _runner(folder, int4=True)
+    assert r.decoder.native_decode_plan() is None
+    return r
+
+
+def test_decode_step_computes_what_the_torch_formulation_does(tiny, monkeypatch):
+    native_runner, torch_runner = _runner(tiny, int4=True), _torch_packed(tiny, monkeypatch)
+    dense = _runner(tiny, int4=False)
+    assert native_runner.decoder.native_decode_plan() is not None
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 320, (45,), generator=g).tolist()
+    states = [_start(r, prompt) for r in (native_runner, torch_runner, dense)]
+    for _ in range(4):  # the same fed tokens
+        token = int(torch.argmax(states[2].logits))
+        for r, st in zip((native_runner, torch_runner, dense), states):
+            r.step([StepItem(st, [token], decode=True)])
+        mine, theirs, full = (st.logits for st in states)
+        # the same codes, fp32 vs bf16 activations and scales: nearly the same logits
+        assert F.cosine_similarity(mine, theirs, dim=0) > 0.9999
+        assert F.cosine_similarity(mine, full, dim=0) > 0.99  # (random weights rounded to 4 bits)
+    n = states[0].num_tokens
+    k_mine, k_theirs = states[0].kv[..., :n, :].float(), states[1].kv[..., :n, :].float()
+    assert F.cosine_similarity(k_mine.flatten(), k_theirs.flatten(), dim=0) > 0.9999  # decoded K/V written
+
+
+def test_decode_step_is_batch_and_thread_invariant(tiny):
+    dec = _runner(tiny, int4=True).decoder
+    plan = dec.native_decode_plan()
+    assert plan is not None
+    a = dec.arch
+    g = torch.Generator().manual_seed(4)
+    starts = [3, 16, 47, 100]
+    kv = (torch.randn(len(starts), a.num_layers, 2, a.num_kv_heads, 128, a.head_dim, generator=g) / 2).bfloat16()
+    tokens = torch.randint(0, a.vocab_size, (len(starts),), generator=g)
+
+    def run(rows: list[int], ways: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = kv.clone()
+        segments = [Segment(starts[i], 1, mine[i], decode=True) for i in rows]
+        logits = native_decode.decode_rows(dec, plan, tokens[rows], segments, ways)
+        assert logits is not None and logits.shape == (len(rows), a.vocab_size)
+        return logits, mine
+
+    all_logits, all_kv = run([0, 1, 2, 3], 1)
+    for ways in (2, 3):
+        logits, kv_out = run([0, 1, 2, 3], ways)
+        assert torch.equal(logits, all_logits) and torch.equal(kv_out, all_kv)
+    for i in range(4):
+        alone, kv_out = run([i], 2)
+        assert torch.equal(alone[0], all_logits[i])
+        assert torch.equal(kv_out[i], all_kv[i])
+    assert not torch.equal(all_kv, kv)  # the step wrote K/V at each session's position
+
+
+def test_torch_packs_where_the_native_kernels_are_off(tiny, monkeypatch):
+    """PREFIXSERVE_NATIVE=0 or no compiler: torch's int4 kernel and the per-layer torch formulation."""
+    r = _torch_packed(tiny, monkeypatch)
+    assert r.decoder.int4_decode and r.decoder.layers[0].qkv_q4 is not None
+    assert r.decoder.layers[0].qkv_q4.native is None and r.decoder.layers[0].qkv_q4.parts
+    st = _start(r, list(range(5, 40)))
+    r.step([StepItem(st, [int(torch.argmax(st.logits))], decode=True)])
+    assert st.num_tokens == 36 and torch.isfinite(st.logits).all()
