@@ -10,7 +10,7 @@
  *   RMSNorm     ss = hsum of 16-lane chains of x*x; r = 1 / sqrtf(ss / d + eps); x * r * w
  *   matmuls     qmatmul.c (4-bit layers, 8- or 4-bit logits); threads split the outputs
  *   q/k         + bias, per-head RMSNorm (where the model has them), RoPE (fp32 cos/sin)
- *   attention   scores s_j = hsum(q . k_j) (4 chains of 16 lanes over head_dim, scaled q), m = max,
+ *   attention   scores s_j = hsum(q . k_j) (chains of 16 lanes over head_dim, scaled q), m = max,
  *               e_j = exp(s_j - m) (simd.h v_exp, 16 keys at a time), den = hsum of a 16-lane
  *               chain, out = (sum_j e_j v_j, chains in key order) / den
  *   MLP         silu(g) * u with silu(g) = g * sigmoid(g) from exp(-|g|)
@@ -213,41 +213,81 @@ static inline vec silu(vec g) {
 #endif
 }
 
-/* attention of the `rep` query heads q[rep][hd] (scaled) over keys 0..last of one kv head:
- * k, v [>= last + 1][hd] bf16; s: scratch of (last + 16) * rep floats; out[rep][hd] */
-static void attend(const float *q, int rep, int hd, const uint16_t *k, const uint16_t *v, int64_t last, float *s,
-                   float *out) {
-    int64_t n = last + 1, nb = (n + 15) / 16;
+/* 16 vectors -> one: lane j = hsum(t[j]), by the same tree as hsum (w = 8, 4, 2, 1), so the same bits */
+static inline vec reduce16(vec t[16]) {
+#if defined(__AVX512F__)
+    vec c[8], d[4], f[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = V_ADD(_mm512_shuffle_f32x4(t[i], t[i + 8], 0x44), _mm512_shuffle_f32x4(t[i], t[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        d[i] = V_ADD(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88), _mm512_shuffle_f32x4(c[i], c[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        f[i] = V_ADD(_mm512_shuffle_ps(d[i], d[i + 2], 0x44), _mm512_shuffle_ps(d[i], d[i + 2], 0xEE));
+    vec r = V_ADD(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+    /* r's lane L holds key 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15: back in order */
+    const __m512i order = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
+    return _mm512_permutexvar_ps(order, r);
+#else
+    vec r;
+    for (int j = 0; j < 16; j++) r.f[j] = hsum(t[j]);
+    return r;
+#endif
+}
+
+enum { KEY_CHUNK = 64, MAXREP = 8, KV_DESC = 5 };  /* keys per scoring task; query heads per kv head scored together */
+
+/* scores of the rep query heads q[rep][hd] (scaled) against keys [j0, j1) (j0, j1 multiples of 16)
+ * of one kv head, k: [cap][hd] bf16 (keys at or past cap read as zero); s_h = s + h * stride */
+static void score(const float *q, int rep, int hd, const uint16_t *k, int64_t cap, int64_t j0, int64_t j1, float *s,
+                  int64_t stride) {
     int nv = hd / 16;
-    for (int64_t j = 0; j < n; j++) {
-        vec kj[32];
-        for (int c = 0; c < nv; c++) kj[c] = v_load_bf16(k + j * hd + 16 * c);
-        for (int h = 0; h < rep; h++) {
-            vec t = V_MUL(V_LOAD(q + h * hd), kj[0]);
-            for (int c = 1; c < nv; c++) t = V_FMA(V_LOAD(q + h * hd + 16 * c), kj[c], t);
-            s[h * nb * 16 + j] = hsum(t);
+    for (int h0 = 0; h0 < rep; h0 += MAXREP) {
+        int nh = rep - h0 < MAXREP ? rep - h0 : MAXREP;
+        for (int64_t b = j0; b < j1; b += 16) {
+            vec t[MAXREP][16];
+            for (int jj = 0; jj < 16; jj++) {
+                vec kj[32];
+                for (int c = 0; c < nv; c++)
+                    kj[c] = b + jj < cap ? v_load_bf16(k + (b + jj) * hd + 16 * c) : V_ZERO();
+                for (int h = 0; h < nh; h++) {
+                    const float *qh = q + (h0 + h) * hd;
+                    vec a = V_MUL(V_LOAD(qh), kj[0]);
+                    for (int c = 1; c < nv; c++) a = V_FMA(V_LOAD(qh + 16 * c), kj[c], a);
+                    t[h][jj] = a;
+                }
+            }
+            for (int h = 0; h < nh; h++) V_STORE(s + (h0 + h) * stride + b, reduce16(t[h]));
         }
     }
-    for (int h = 0; h < rep; h++) {
-        float *sh = s + h * nb * 16;
-        for (int64_t j = n; j < nb * 16; j++) sh[j] = -INFINITY;
-        vec mv = V_SET1(-INFINITY);
-        for (int64_t b = 0; b < nb; b++) mv = V_MAX(mv, V_LOAD(sh + b * 16));
-        vec m = V_SET1(v_hmax(mv)), den = V_ZERO();
-        for (int64_t b = 0; b < nb; b++) {
-            vec e = v_exp(V_SUB(V_LOAD(sh + b * 16), m));
-            V_STORE(sh + b * 16, e);
-            den = V_ADD(den, e);
-        }
-        vec dv = V_SET1(hsum(den));
-        vec acc[32];
-        for (int c = 0; c < nv; c++) acc[c] = V_ZERO();
-        for (int64_t j = 0; j < n; j++) {
-            vec e = V_SET1(sh[j]);
-            for (int c = 0; c < nv; c++) acc[c] = V_FMA(e, v_load_bf16(v + j * hd + 16 * c), acc[c]);
-        }
-        for (int c = 0; c < nv; c++) V_STORE(out + h * hd + 16 * c, V_DIV(acc[c], dv));
+}
+
+/* keys 0..last of one head's scores: e_j = exp(s_j - max) in place (past last: 0); returns the
+ * denominator (16 lanes over the blocks in order, then hsum) */
+static float softmax_weights(float *sh, int64_t last) {
+    int64_t n = last + 1, nb = (n + 15) / 16;
+    for (int64_t j = n; j < nb * 16; j++) sh[j] = -INFINITY;
+    vec mv = V_SET1(-INFINITY);
+    for (int64_t b = 0; b < nb; b++) mv = V_MAX(mv, V_LOAD(sh + b * 16));
+    vec m = V_SET1(v_hmax(mv)), den = V_ZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        vec e = v_exp(V_SUB(V_LOAD(sh + b * 16), m));
+        V_STORE(sh + b * 16, e);
+        den = V_ADD(den, e);
     }
+    return hsum(den);
+}
+
+/* dims [16c, 16c + 16) of the rep heads' outputs: sum_j e_j v_j over keys 0..last in order, / den;
+ * v: [>= last + 1][hd] bf16; e_h = e + h * stride; out_h = out + h * hd */
+static void weigh_values(const float *e, int64_t stride, const float *den, int rep, int hd, const uint16_t *v,
+                         int64_t last, int c, float *out) {
+    vec acc[32];
+    for (int h = 0; h < rep; h++) acc[h] = V_ZERO();
+    for (int64_t j = 0; j <= last; j++) {
+        vec vj = v_load_bf16(v + j * hd + 16 * c);
+        for (int h = 0; h < rep; h++) acc[h] = V_FMA(V_SET1(e[h * stride + j]), vj, acc[h]);
+    }
+    for (int h = 0; h < rep; h++) V_STORE(out + h * hd + 16 * c, V_DIV(acc[h], V_SET1(den[h])));
 }
 
 /* ---- the step ---- */
@@ -264,13 +304,49 @@ typedef struct {
     float *h;                /* [n][hidden] in: embeddings; out: the last layer's output */
     const int64_t *pos;      /* [n] */
     const float *cs, *sn;    /* [n][hd] */
-    const int64_t *kv;       /* [n][4]: K address of layer 0 head 0, layer stride, V - K offset, head stride (elements) */
+    const int64_t *kv;       /* [n][KV_DESC]: K address of layer 0 head 0, layer stride, V - K offset, head stride
+                              * (elements), capacity (keys) */
     float *y;                /* [n][vocab_pad] logits, or [n][hidden] */
     /* scratch */
     float *qkv, *attn, *gu, *act, *tmp, *xs; /* xs: [T][n][max(hidden, inter)] */
-    float **scores;                          /* [T] */
+    float *q;                                /* [n][heads][hd]: rotated, scaled queries */
+    float *scores, *den;                     /* [n][heads][stride], [n][heads] */
+    int64_t stride;
     barrier_t bar;
 } step_t;
+
+/* the attention of layer l's rows (K/V of their positions written): scores by chunks of keys, then
+ * softmax weights by head, then outputs by 16 dims, a barrier after each */
+static void attention(step_t *s, int64_t l, int t, int T, int *local) {
+    int64_t n = s->n, hd = s->hd, kvh = s->kv_heads, rep = s->heads / kvh, idx = 0;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < kvh; g++) {
+            const int64_t *kv = s->kv + r * KV_DESC;
+            const uint16_t *kc = (const uint16_t *)kv[0] + l * kv[1] + g * kv[3];
+            int64_t keys = (s->pos[r] + 16) / 16 * 16;
+            for (int64_t j0 = 0; j0 < keys; j0 += KEY_CHUNK, idx++) {
+                if (idx % T != t) continue;
+                int64_t j1 = j0 + KEY_CHUNK < keys ? j0 + KEY_CHUNK : keys;
+                score(s->q + (r * s->heads + g * rep) * hd, (int)rep, (int)hd, kc, kv[4], j0, j1,
+                      s->scores + (r * s->heads + g * rep) * s->stride, s->stride);
+            }
+        }
+    barrier(&s->bar, local, T);
+    for (int64_t i = t; i < n * s->heads; i += T) s->den[i] = softmax_weights(s->scores + i * s->stride, s->pos[i / s->heads]);
+    barrier(&s->bar, local, T);
+    idx = 0;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < kvh; g++)
+            for (int c = 0; c < hd / 16; c++, idx++) {
+                if (idx % T != t) continue;
+                const int64_t *kv = s->kv + r * KV_DESC;
+                const uint16_t *vc = (const uint16_t *)kv[0] + l * kv[1] + g * kv[3] + kv[2];
+                int64_t first = r * s->heads + g * rep;
+                weigh_values(s->scores + first * s->stride, s->stride, s->den + first, (int)rep, (int)hd, vc,
+                             s->pos[r], c, s->attn + first * hd);
+            }
+    barrier(&s->bar, local, T);
+}
 
 static void step_task(void *p, int t, int T) {
     step_t *s = p;
@@ -290,9 +366,8 @@ static void step_task(void *p, int t, int T) {
             int64_t r = task / kvh, g = task % kvh;
             float *row = s->qkv + r * nqkv, *kr = row + qs + g * hd, *vr = row + qs + ks + g * hd;
             const float *cs = s->cs + r * hd, *sn = s->sn + r * hd;
-            float qh[32 * 512 / 16];
             for (int64_t h = 0; h < rep; h++) {
-                float *qr = row + (g * rep + h) * hd, *dst = qh + h * hd;
+                float *qr = row + (g * rep + h) * hd, *dst = s->q + (r * s->heads + g * rep + h) * hd;
                 if (bias)
                     for (int64_t i = 0; i < hd; i++) qr[i] = qr[i] + bias[(g * rep + h) * hd + i];
                 if (qn) rmsnorm(qr, qn, hd, s->eps, qr);
@@ -306,16 +381,16 @@ static void step_task(void *p, int t, int T) {
                 }
             if (kn) rmsnorm(kr, kn, hd, s->eps, kr);
             rope(kr, cs, sn, (int)hd);
-            const int64_t *kv = s->kv + r * 4;
+            const int64_t *kv = s->kv + r * KV_DESC;
             uint16_t *kc = (uint16_t *)kv[0] + l * kv[1] + g * kv[3], *vc = kc + kv[2];
             int64_t at = s->pos[r];
             for (int64_t i = 0; i < hd; i++) {
                 kc[at * hd + i] = to_bf16(kr[i]);
                 vc[at * hd + i] = to_bf16(vr[i]);
             }
-            attend(qh, (int)rep, (int)hd, kc, vc, at, s->scores[t], s->attn + r * qs + g * rep * hd);
         }
         barrier(&s->bar, &local, T);
+        attention(s, l, t, T, &local);
         share(d, t, T, &o0, &o1);
         qmatmul(s->attn, n, qs, qs, (int)(w[W_KINDS] >> 1 & 1), (const uint8_t *)w[W_O], o0, o1, s->tmp, d);
         for (int64_t r = 0; r < n; r++)
@@ -348,8 +423,8 @@ static void step_task(void *p, int t, int T) {
 
 /* dims: n, hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head_kind;
  * returns the threads used, or -1 when out of memory. Shapes are the caller's to check: hidden,
- * intermediate, heads * head_dim multiples of 32, head_dim of 16, head_dim <= 512, heads / kv_heads * head_dim
- * <= 1024, every matmul's outputs (and vocab_pad) a multiple of 16. */
+ * intermediate, heads * head_dim multiples of 32, head_dim of 16, head_dim <= 512, heads / kv_heads <= 32,
+ * every matmul's outputs (and vocab_pad) a multiple of 16. */
 int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, const float *final_norm,
                 const uint8_t *head, float *h, const int64_t *pos, const float *cs, const float *sn,
                 const int64_t *kv, float *y, int ways) {
@@ -363,20 +438,20 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     int64_t n = s.n, qs = s.heads * s.hd, nqkv = qs + 2 * s.kv_heads * s.hd, wide = s.hidden > s.inter ? s.hidden : s.inter;
     int64_t maxpos = 0;
     for (int64_t r = 0; r < n; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
-    int64_t per_scores = (maxpos + 32) * (s.heads / s.kv_heads);
-    float *buf = aligned_alloc(64, (size_t)(n * (nqkv + qs + 3 * s.inter + s.hidden) + T * n * wide + T * per_scores) *
-                                       sizeof(float) + 64);
-    float *sc[MAXT];
+    s.stride = (maxpos + 16) / 16 * 16 + 16;
+    float *buf = aligned_alloc(64, (size_t)(n * (nqkv + 2 * qs + 3 * s.inter + s.hidden + s.heads * (s.stride + 1)) +
+                                            T * n * wide) * sizeof(float) + 64);
     if (!buf) return -1;
     float *p = buf;
     s.qkv = p, p += n * nqkv;
     s.attn = p, p += n * qs;
+    s.q = p, p += n * qs;
     s.gu = p, p += 2 * n * s.inter;
     s.act = p, p += n * s.inter;
     s.tmp = p, p += n * s.hidden;
+    s.scores = p, p += n * s.heads * s.stride;
+    s.den = p, p += n * s.heads;
     s.xs = p, p += T * n * wide;
-    for (int t = 0; t < T; t++) sc[t] = p, p += per_scores;
-    s.scores = sc;
     /* a member count the team cannot reach would leave the barrier waiting: run_team says how many it
      * got before any member starts, so the task sees T as run */
     run_team(step_task, &s, T);

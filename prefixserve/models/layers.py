@@ -72,17 +72,41 @@ def tiled(x: torch.Tensor, plan: TilePlan, fn: Callable[[torch.Tensor], torch.Te
     return y[:num_rows]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, ways: int = 1) -> torch.Tensor:
     """A dense tile's matmul: F.linear in the weight's dtype, the result in x's. A bf16 model on a CPU
     without bf16 arithmetic keeps fp32 weights (`Decoder.use_fp32_matmuls`): x is widened (exact),
-    multiplied in fp32 and rounded back to bf16."""
+    multiplied in fp32 and rounded back to bf16, always as two calls, one per half of the outputs
+    (`HALF_ROWS` apart), each on torch's one thread; `ways` 2 runs them at once (KERNEL_THREADS.parallel).
+    The calls are the same either way, so the bits are: MKL's sgemm on two threads was not thread-count
+    invariant on a loaded machine (docs/architecture.md, "CPUs without bf16 arithmetic")."""
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
-    return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
+    xw = x.to(w.dtype)
+    cut = half_rows(w.shape[0])
+    parts = [(w[:cut], None if bias is None else bias[:cut]), (w[cut:], None if bias is None else bias[cut:])]
+    outs: list[torch.Tensor] = [xw, xw]
+
+    def call(i: int) -> None:
+        outs[i] = F.linear(xw, *parts[i])
+
+    if ways > 1:
+        KERNEL_THREADS.parallel([lambda: call(0), lambda: call(1)])
+    else:
+        call(0)
+        call(1)
+    return torch.cat(outs, dim=-1).to(x.dtype)
+
+
+def half_rows(n: int) -> int:
+    """Where a widened weight's outputs are cut in two (a multiple of 16 rows: aligned halves)."""
+    return max(16, n // 32 * 16) if n > 16 else n
 
 
 def dense(site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count)."""
+    """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count):
+    torch's threads for the call, or the two halves of a widened weight's call at once (`linear`)."""
+    if w.dtype != x.dtype:
+        return linear(x, w, bias, min(2, KERNEL_THREADS.parallel_ways("dense")))
     return KERNEL_THREADS.run("dense", (site, x.shape[0]), lambda: linear(x, w, bias))
 
 

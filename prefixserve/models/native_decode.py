@@ -23,7 +23,7 @@ from prefixserve.models.threads import KERNEL_THREADS
 if TYPE_CHECKING:
     from prefixserve.models.decoder import Decoder, Segment
 
-MAX_REP_DIMS = 1024  # decode.c: heads per kv head x head_dim
+MAX_REP = 32  # decode.c: query heads per kv head
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ def plan_for(dec: Decoder) -> DecodePlan | None:
     ok = (dec.int4_decode and dec.dtype == torch.bfloat16 and dec.device.type == "cpu" and native.library() is not None
           and head is not None and head.native is not None and a.hidden_size % 32 == 0 and a.q_size % 32 == 0
           and a.intermediate_size % 32 == 0 and a.head_dim % 16 == 0 and a.head_dim <= 512
-          and a.num_heads % a.num_kv_heads == 0 and a.num_heads // a.num_kv_heads * a.head_dim <= MAX_REP_DIMS
+          and a.num_heads % a.num_kv_heads == 0 and a.num_heads // a.num_kv_heads <= MAX_REP
           and (a.q_size + 2 * a.kv_size) % 16 == 0)
     if not ok or head is None or head.native is None:
         return None
@@ -97,7 +97,8 @@ def decode_rows(dec: Decoder, plan: DecodePlan, token_ids: torch.Tensor, segment
     h = dec.embed[token_ids].float().contiguous()
     pos = torch.tensor([s.start for s in segments], dtype=torch.int64)
     cos, sin = dec.rope.lookup32(pos)
-    kv_desc = torch.tensor([[s.kv.data_ptr(), s.kv.stride(0), s.kv.stride(1), s.kv.stride(2)] for s in segments],
+    kv_desc = torch.tensor([[s.kv.data_ptr(), s.kv.stride(0), s.kv.stride(1), s.kv.stride(2), s.kv.shape[3]]
+                            for s in segments],
                            dtype=torch.int64)
     y = torch.empty(n, plan.dims[6])
     dims = torch.tensor([n, *plan.dims], dtype=torch.int64)

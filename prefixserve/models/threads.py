@@ -80,7 +80,11 @@ class KernelThreads:
         if self._pool is None or self._pool_size < len(fns) - 1:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)  # idle: its threads exit
-            self._pool = ThreadPoolExecutor(len(fns) - 1, thread_name_prefix="prefixserve-kernel")
+            # a new thread's MKL and OpenMP counts are their defaults (every core), not what torch set on
+            # this one (mkl_set_num_threads_local, omp_set_num_threads are per thread): set them alike
+            base = torch.get_num_threads()
+            self._pool = ThreadPoolExecutor(len(fns) - 1, thread_name_prefix="prefixserve-kernel",
+                                            initializer=torch.set_num_threads, initargs=(base,))
             self._pool_size = len(fns) - 1
         futures = [self._pool.submit(f) for f in fns[1:]]
         t0 = time.perf_counter()

@@ -81,3 +81,21 @@ def test_the_self_test_allows_a_kind_only_where_its_bits_hold(base_one, monkeypa
     # one thread configured: nothing to check, nothing allowed
     monkeypatch.setattr(selftest.KERNEL_THREADS, "threads", 1)
     assert selftest.check_threads(dec, {"dense", "int4"}) == (set(), "")
+
+
+def test_widened_tiles_are_the_same_two_calls_on_any_count(base_one):
+    """fp32 copies of bf16 weights (`use_fp32_matmuls`): a tile is two calls, one per half of the
+    outputs, each on torch's count, whether they run one after the other or at once on the pool."""
+    from prefixserve.models.layers import half_rows, linear
+
+    g = torch.Generator().manual_seed(2)
+    for n, k, rows in ((960, 576, 64), (100, 64, 16), (16, 32, 3)):
+        w = torch.randn(n, k, generator=g).bfloat16().float()
+        bias = torch.randn(n, generator=g).bfloat16().float()
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        cut = half_rows(n)
+        assert cut % 16 == 0 and 0 < cut <= n
+        halves = torch.cat([torch.nn.functional.linear(x.float(), w[:cut], bias[:cut]),
+                            torch.nn.functional.linear(x.float(), w[cut:], bias[cut:])], dim=-1).bfloat16()
+        assert torch.equal(linear(x, w, bias, ways=1), halves)
+        assert torch.equal(linear(x, w, bias, ways=2), halves)
