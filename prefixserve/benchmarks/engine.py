@@ -93,6 +93,8 @@ def decode_weight_bytes(decoder: Any) -> int:
 
 
 def _int4_bytes(w: Any) -> int:
+    if w.native is not None:  # qmatmul.c's layout: codes, scales (and biases) in one tensor
+        return int(w.native.numel() * w.native.element_size())
     return sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz in w.parts)
 
 

@@ -150,3 +150,13 @@ def test_torch_packs_where_the_native_kernels_are_off(tiny, monkeypatch):
     st = _start(r, list(range(5, 40)))
     r.step([StepItem(st, [int(torch.argmax(st.logits))], decode=True)])
     assert st.num_tokens == 36 and torch.isfinite(st.logits).all()
+
+
+def test_roofline_counts_the_native_packs(tiny):
+    """`prefixserve bench engine`'s bytes per decoded token: the packs decode rows read."""
+    from prefixserve.benchmarks.engine import decode_weight_bytes
+
+    dec = _runner(tiny, int4=True).decoder
+    packs = [w for lw in dec.layers for w in (lw.qkv_q4, lw.o_q4, lw.gate_up_q4, lw.down_q4)] + [dec.lm_head_q4]
+    assert all(w is not None and w.native is not None for w in packs)
+    assert decode_weight_bytes(dec) == sum(w.native.numel() for w in packs)  # type: ignore[union-attr]
