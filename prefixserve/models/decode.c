@@ -1,6 +1,6 @@
 /* A decode step of a Llama-family model in one call: every layer, then the final norm and the
- * logits, for n decoded tokens (one per session), on a team of threads (models/decoder.py
- * `Decoder.native_decode_rows`, docs/architecture.md "Decode").
+ * logits, for n decoded tokens (one per session), on a team of threads (models/native_decode.py
+ * `decode_rows`, docs/architecture.md "Decode").
  *
  * Built with attention.c and qmatmul.c by models/native.py and called through ctypes. Decoded
  * tokens' KV is never cached (the engine re-derives it by prefill), so their arithmetic need not
@@ -14,8 +14,9 @@
  *               e_j = exp(s_j - m) (simd.h v_exp, 16 keys at a time), den = hsum of a 16-lane
  *               chain, out = (sum_j e_j v_j, chains in key order) / den
  *   MLP         silu(g) * u with silu(g) = g * sigmoid(g) from exp(-|g|)
- * Threads split outputs of a matmul, or (row, kv head) pairs of attention: who computes a value
- * never changes how.
+ * Threads split the outputs of a matmul; attention's work by (row, kv head) for q/k/v and the K/V
+ * write, by 64-key chunks for scores, by (row, head) for softmax weights, by 16 dims for P.V: who
+ * computes a value never changes how.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -300,13 +301,13 @@ typedef struct {
     float eps, scale;
     const int64_t *w;        /* [layers][W_PER_LAYER] addresses (0: absent) */
     const float *final_norm; /* [hidden] */
-    const uint8_t *head;     /* the logits' weight (qmatmul layout), or NULL: y gets the normed hidden */
+    const uint8_t *head;     /* the logits' weight (qmatmul layout) */
     float *h;                /* [n][hidden] in: embeddings; out: the last layer's output */
     const int64_t *pos;      /* [n] */
     const float *cs, *sn;    /* [n][hd] */
     const int64_t *kv;       /* [n][KV_DESC]: K address of layer 0 head 0, layer stride, V - K offset, head stride
                               * (elements), capacity (keys) */
-    float *y;                /* [n][vocab_pad] logits, or [n][hidden] */
+    float *y;                /* [n][vocab_pad] logits */
     /* scratch */
     float *qkv, *attn, *gu, *act, *tmp, *xs; /* xs: [T][n][max(hidden, inter)] */
     float *q;                                /* [n][heads][hd]: rotated, scaled queries */
@@ -314,6 +315,12 @@ typedef struct {
     int64_t stride;
     barrier_t bar;
 } step_t;
+
+/* h += tmp over the outputs [o0, o1) this member computed */
+static void residual(step_t *s, int64_t o0, int64_t o1) {
+    for (int64_t r = 0; r < s->n; r++)
+        for (int64_t i = o0; i < o1; i++) s->h[r * s->hidden + i] = s->h[r * s->hidden + i] + s->tmp[r * s->hidden + i];
+}
 
 /* the attention of layer l's rows (K/V of their positions written): scores by chunks of keys, then
  * softmax weights by head, then outputs by 16 dims, a barrier after each */
@@ -393,8 +400,7 @@ static void step_task(void *p, int t, int T) {
         attention(s, l, t, T, &local);
         share(d, t, T, &o0, &o1);
         qmatmul(s->attn, n, qs, qs, (int)(w[W_KINDS] >> 1 & 1), (const uint8_t *)w[W_O], o0, o1, s->tmp, d);
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t i = o0; i < o1; i++) s->h[r * d + i] = s->h[r * d + i] + s->tmp[r * d + i];
+        residual(s, o0, o1);
         barrier(&s->bar, &local, T);
         for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
         share(inter, t, T, &o0, &o1);
@@ -408,13 +414,8 @@ static void step_task(void *p, int t, int T) {
         barrier(&s->bar, &local, T);
         share(d, t, T, &o0, &o1);
         qmatmul(s->act, n, inter, inter, (int)(w[W_KINDS] >> 3 & 1), (const uint8_t *)w[W_DOWN], o0, o1, s->tmp, d);
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t i = o0; i < o1; i++) s->h[r * d + i] = s->h[r * d + i] + s->tmp[r * d + i];
+        residual(s, o0, o1);
         barrier(&s->bar, &local, T);
-    }
-    if (s->head == NULL) {
-        for (int64_t r = t; r < n; r += T) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, s->y + r * d);
-        return;
     }
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, x + r * d);
     share(s->vocab_pad, t, T, &o0, &o1);
@@ -452,9 +453,9 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     s.scores = p, p += n * s.heads * s.stride;
     s.den = p, p += n * s.heads;
     s.xs = p, p += T * n * wide;
-    /* a member count the team cannot reach would leave the barrier waiting: run_team says how many it
-     * got before any member starts, so the task sees T as run */
-    run_team(step_task, &s, T);
+    /* run_team settles the member count before any member starts (fewer where a worker could not be
+     * created), so every barrier waits for the members that run */
+    T = run_team(step_task, &s, T);
     free(buf);
     return T;
 }

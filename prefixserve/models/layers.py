@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     """A dense tile's matmul: F.linear in the weight's dtype, the result in x's. A bf16 model on a CPU
     without bf16 arithmetic keeps fp32 weights (`Decoder.use_fp32_matmuls`): x is widened (exact),
     multiplied in fp32 and rounded back to bf16, always as two calls, one per half of the outputs
-    (`HALF_ROWS` apart), each on torch's one thread; `ways` 2 runs them at once (KERNEL_THREADS.parallel).
+    (cut at `half_rows`), each on torch's one thread; `ways` > 1 runs them at once (KERNEL_THREADS.parallel).
     The calls are the same either way, so the bits are: MKL's sgemm on two threads was not thread-count
     invariant on a loaded machine (docs/architecture.md, "CPUs without bf16 arithmetic")."""
     if w.dtype == x.dtype:

@@ -38,8 +38,11 @@ class DecodePlan:
     scale: float
 
 
-def _packed(w: Int4Weight | None, rows: int) -> bool:
-    return w is not None and w.native is not None and w.rows == rows == w.out_features
+def _pack(w: Int4Weight | None, rows: int) -> tuple[int, int] | None:
+    """(address, kind) of a weight's native pack holding exactly `rows` outputs, else None."""
+    if w is None or w.native is None or not w.rows == rows == w.out_features:
+        return None
+    return w.native.data_ptr(), w.native_kind
 
 
 def plan_for(dec: Decoder) -> DecodePlan | None:
@@ -48,7 +51,7 @@ def plan_for(dec: Decoder) -> DecodePlan | None:
     a = dec.arch
     head = dec.lm_head_q4
     ok = (dec.int4_decode and dec.dtype == torch.bfloat16 and dec.device.type == "cpu" and native.library() is not None
-          and head is not None and head.native is not None and a.hidden_size % 32 == 0 and a.q_size % 32 == 0
+          and a.hidden_size % 32 == 0 and a.q_size % 32 == 0
           and a.intermediate_size % 32 == 0 and a.head_dim % 16 == 0 and a.head_dim <= 512
           and a.num_heads % a.num_kv_heads == 0 and a.num_heads // a.num_kv_heads <= MAX_REP
           and (a.q_size + 2 * a.kv_size) % 16 == 0)
@@ -65,14 +68,14 @@ def plan_for(dec: Decoder) -> DecodePlan | None:
         return f.data_ptr()
 
     for lw in dec.layers:
-        packs = [(lw.qkv_q4, a.q_size + 2 * a.kv_size), (lw.o_q4, a.hidden_size),
-                 (lw.gate_up_q4, 2 * a.intermediate_size), (lw.down_q4, a.hidden_size)]
-        got = [w for w, n in packs if w is not None and w.native is not None and _packed(w, n)]
+        packs = [_pack(lw.qkv_q4, a.q_size + 2 * a.kv_size), _pack(lw.o_q4, a.hidden_size),
+                 _pack(lw.gate_up_q4, 2 * a.intermediate_size), _pack(lw.down_q4, a.hidden_size)]
+        got = [p for p in packs if p is not None]
         if len(got) != len(packs):
             return None
-        kinds = sum(w.native_kind << i for i, w in enumerate(got))
+        kinds = sum(kind << i for i, (_, kind) in enumerate(got))
         rows.append([vec(lw.attn_norm), vec(lw.mlp_norm), vec(lw.q_norm), vec(lw.k_norm), vec(lw.qkv_bias),
-                     *(w.native.data_ptr() for w in got if w.native is not None), kinds])
+                     *(address for address, _ in got), kinds])
     dims = [a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.num_layers, head.rows,
             head.native_kind]
     final = dec.final_norm.detach().float().contiguous()
@@ -113,8 +116,5 @@ def decode_rows(dec: Decoder, plan: DecodePlan, token_ids: torch.Tensor, segment
             raise MemoryError("native decode step: out of memory")
         return int(rc)
 
-    if ways is None:
-        KERNEL_THREADS.team("int4", ("decode", n, int(pos.max()) // 512), call)
-    else:
-        call(ways)
+    KERNEL_THREADS.team("int4", ("decode", n, int(pos.max()) // 512), call, ways)
     return y[:, : plan.vocab]

@@ -121,9 +121,12 @@ class KernelThreads:
         self._timed(key, took)
         return y
 
-    def team(self, kind: str, key: Hashable, fn: Callable[[int], T]) -> T:
-        """fn(ways) for a native call that runs on a team of `ways` threads (decode.c); timed like
-        `run` (its stall rule, keyed by call site and shape)."""
+    def team(self, kind: str, key: Hashable, fn: Callable[[int], T], ways: int | None = None) -> T:
+        """fn(ways) for a native call that runs on a team of `ways` threads (decode.c): what `kind` is
+        allowed now, timed like `run` (its stall rule, keyed by call site and shape); or exactly
+        `ways` when given (the self-test's comparisons), untimed."""
+        if ways is not None:
+            return fn(ways)
         ways = self.parallel_ways(kind)
         if ways <= 1:
             return fn(1)

@@ -156,7 +156,7 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
         for name, w, bias, rows in _dense_tiles(dec, dec.tiles):
             x = torch.randn(rows, w.shape[1], generator=g).to(dec.dtype)
             if w.dtype != x.dtype:  # widened weights: their two halves one after the other, or at once
-                same = torch.equal(linear(x, w, bias, 1), linear(x, w, bias, 2))
+                same = torch.equal(linear(x, w, bias, 1), linear(x, w, bias, many))
             else:
                 same = torch.equal(KERNEL_THREADS.on(base, linear, x, w, bias), KERNEL_THREADS.on(many, linear, x, w, bias))
             if not same:
