@@ -99,6 +99,7 @@ class Decoder:
         # (CPUs without bf16 arithmetic: 0.78 ms vs ~0.05 ms a layer at 500 keys; `use_fp32_matmuls`)
         self.native_decode_attention = False
         self.matmul_dtype = self.dtype  # what the dense tiles multiply in (`use_fp32_matmuls`)
+        self.prefill_q4 = False  # prefill's matmuls on the 4-bit packs (`use_fp32_matmuls`)
         self._norms32: dict[int, torch.Tensor] = {}
         self._native_plan: native_decode.DecodePlan | None | bool = False  # False: not made yet
 
@@ -117,18 +118,33 @@ class Decoder:
         """Everything of the runtime's own choices that changes a state's bits (dtype, device, decode
         kernel, tile plan, matmul precision, attention tiling), for the disk cache tier's file
         fingerprint (docs/cache.md)."""
-        mm = "" if self.matmul_dtype == self.dtype else f"|mm={self.matmul_dtype}"
+        mm = "|mm=q4" if self.prefill_q4 else "" if self.matmul_dtype == self.dtype else f"|mm={self.matmul_dtype}"
         return (f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}{mm}"
                 f"|attn={self.attention_kernel}")
 
-    def use_fp32_matmuls(self) -> None:
+    def use_fp32_matmuls(self, q4: bool = True) -> None:
         """A bf16 model on a CPU without bf16 arithmetic (no AVX512-BF16, no AMX: bf16 matmuls there
-        ran at 26 GFLOPS against fp32's 67 at 64 rows): the dense tiles multiply fp32 copies of the
-        weights (`linear`), which replace the bf16 ones (a dense lm_head only where logits use it),
-        and 4-bit decode rows attend with the native kernel. Activations, KV and the 4-bit path stay
-        bf16; a dense tile is still one fixed-shape call (docs/exactness.md)."""
+        ran at 26 GFLOPS against fp32's 67 at 64 rows). Where every layer has native 4-bit packs,
+        prefill's matmuls multiply those codes (`prefill_q4`: qmatmul.c, row-local by construction,
+        only a tile's real rows); otherwise the dense tiles multiply fp32 copies of the weights
+        (`_widen`). Either way 4-bit decode rows attend with the native kernel and take their norms in
+        fp32. Activations, KV and the 4-bit path stay bf16 (docs/exactness.md). `q4=False`: the fp32
+        copies even where the packs are there."""
         if self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return
+        self.prefill_q4 = q4 and bool(self.layers) and all(
+            w is not None and w.native is not None
+            for lw in self.layers for w in (lw.qkv_q4, lw.o_q4, lw.gate_up_q4, lw.down_q4))
+        if not self.prefill_q4:
+            self._widen()
+        self.native_decode_attention = self.native_attention
+        # decode rows' RMSNorm in fp32 too (torch's fused bf16 one took 64 us a call there, fp32 ~5)
+        self._norms32 = {id(w): w.float() for lw in self.layers
+                         for w in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if w is not None}
+
+    def _widen(self) -> None:
+        """The dense tiles multiply fp32 copies of the weights (`layers.linear`), which replace the bf16
+        ones (a dense lm_head only where logits use it)."""
         for lw in self.layers:
             lw.qkv, lw.o_proj, lw.gate_up, lw.down = (t.float() for t in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
             if lw.qkv_bias is not None:
@@ -136,10 +152,14 @@ class Decoder:
         if self.lm_head_q4 is None:
             self.lm_head = self.lm_head.float()
         self.matmul_dtype = torch.float32
-        self.native_decode_attention = self.native_attention
-        # decode rows' RMSNorm in fp32 too (torch's fused bf16 one took 64 us a call there, fp32 ~5)
-        self._norms32 = {id(w): w.float() for lw in self.layers
-                         for w in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if w is not None}
+
+    @property
+    def matmuls(self) -> str:
+        """What prefill's matmuls multiply, for logs and /health."""
+        if self.prefill_q4:
+            return f"{self.dtype} model, matmuls on the 4-bit codes (row-local)"
+        mm = self.matmul_dtype
+        return f"{self.dtype} matmuls" if mm == self.dtype else f"{self.dtype} model, {mm} matmuls"
 
     @property
     def attention_kernel(self) -> str:
@@ -152,7 +172,10 @@ class Decoder:
         self.lm_head_q4 = None
         self.int4_decode = False
         self._native_plan = None
-        if self.matmul_dtype != self.dtype:
+        if self.prefill_q4:  # prefill loses its 4-bit packs: fp32 copies of the dense weights instead
+            self.prefill_q4 = False
+            self._widen()
+        elif self.matmul_dtype != self.dtype:
             self.lm_head = self.lm_head.to(self.matmul_dtype)  # the logits now use the dense lm_head
 
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -211,7 +234,7 @@ class Decoder:
             for g0, gn in tiles:
                 g1 = g0 + gn
                 x = rms_norm(h[g0:g1], lw.attn_norm, a.rms_eps)
-                qkv = dense("qkv", x, lw.qkv, lw.qkv_bias)
+                qkv = self._matmul("qkv", x, lw.qkv, lw.qkv_bias, lw.qkv_q4, num_rows - g0)
                 gq = qkv[:, : a.q_size].view(-1, a.num_heads, a.head_dim)
                 gk = qkv[:, a.q_size : a.q_size + a.kv_size].view(-1, a.num_kv_heads, a.head_dim)
                 v[g0:g1] = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_kv_heads, a.head_dim)
@@ -223,11 +246,12 @@ class Decoder:
             attn = self._attention(li, q, k, v, segments, total, skip=leading if nd else 0)
             for g0, gn in tiles:
                 g1 = g0 + gn
-                hg = h[g0:g1] + dense("o_proj", attn[g0:g1], lw.o_proj)
+                real = num_rows - g0
+                hg = h[g0:g1] + self._matmul("o_proj", attn[g0:g1], lw.o_proj, None, lw.o_q4, real)
                 x = rms_norm(hg, lw.mlp_norm, a.rms_eps)
-                gu = dense("gate_up", x, lw.gate_up)
+                gu = self._matmul("gate_up", x, lw.gate_up, None, lw.gate_up_q4, real)
                 gate, up = gu.split(a.intermediate_size, dim=-1)
-                h[g0:g1] = hg + dense("down", F.silu(gate) * up, lw.down)
+                h[g0:g1] = hg + self._matmul("down", F.silu(gate) * up, lw.down, None, lw.down_q4, real)
             yield
         last_rows: list[int] = []
         offset = 0
@@ -242,6 +266,19 @@ class Decoder:
         if not last_rows:
             return torch.empty(0, a.vocab_size)
         return self._logits(h[last_rows])
+
+    def _matmul(self, site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                q4: Int4Weight | None, real: int) -> torch.Tensor:
+        """A tile's matmul: the dense tile (`dense`), or with `prefill_q4` the 4-bit codes for its first
+        `real` rows only (qmatmul.c: a row's bits are its own), the padding rows zero."""
+        if not self.prefill_q4 or q4 is None:
+            return dense(site, x, w, bias)
+        real = min(real, x.shape[0])
+        if real == x.shape[0]:
+            return int4_linear(x, q4, bias)
+        y = x.new_zeros(x.shape[0], q4.out_features)
+        y[:real] = int4_linear(x[:real], q4, bias)
+        return y
 
     def native_decode_plan(self) -> native_decode.DecodePlan | None:
         """The one-call native decode step's plan where it runs (made once; `drop_int4` ends it)."""

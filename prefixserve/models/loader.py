@@ -60,14 +60,21 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 def fp32_matmuls_wanted(dtype: torch.dtype, device: str) -> bool:
-    """Whether a bf16 model's dense tiles multiply fp32 copies of the weights (`Decoder.use_fp32_matmuls`):
-    PREFIXSERVE_DENSE_MATMUL=fp32 or bf16 says so; by default where the CPU lacks bf16 arithmetic."""
+    """Whether a bf16 model's prefill leaves the bf16 tiles (`Decoder.use_fp32_matmuls`): for the 4-bit
+    codes where every layer has native packs, else fp32 copies of the weights. PREFIXSERVE_DENSE_MATMUL
+    says so: bf16 (no), q4 (yes), fp32 (yes, fp32 copies even where the packs are there); auto: where
+    the CPU lacks bf16 arithmetic."""
     if dtype != torch.bfloat16 or device != "cpu":
         return False
+    choice = _dense_matmul_choice()
+    return choice in ("fp32", "q4") or (choice == "auto" and not cpu_has_native_bf16())
+
+
+def _dense_matmul_choice() -> str:
     choice = os.environ.get("PREFIXSERVE_DENSE_MATMUL", "auto")
-    if choice not in ("auto", "bf16", "fp32"):
-        raise ModelLoadError(f"PREFIXSERVE_DENSE_MATMUL must be auto, bf16 or fp32, not {choice!r}")
-    return choice == "fp32" or (choice == "auto" and not cpu_has_native_bf16())
+    if choice not in ("auto", "bf16", "fp32", "q4"):
+        raise ModelLoadError(f"PREFIXSERVE_DENSE_MATMUL must be auto, bf16, fp32 or q4, not {choice!r}")
+    return choice
 
 
 def cpu_has_native_bf16() -> bool:
@@ -136,10 +143,10 @@ def load_model(
 
 
 def _widened(m: LoadedModel) -> LoadedModel:
-    """A Llama-family decoder with its dense tiles in fp32 where `fp32_matmuls_wanted` (after any
-    prepared-model cache has stored the bf16 weights)."""
+    """A Llama-family decoder whose prefill multiplies the 4-bit codes or fp32 copies where
+    `fp32_matmuls_wanted` (after any prepared-model cache has stored the bf16 weights)."""
     if fp32_matmuls_wanted(m.decoder.dtype, m.decoder.device.type):
-        m.decoder.use_fp32_matmuls()
+        m.decoder.use_fp32_matmuls(q4=_dense_matmul_choice() != "fp32")
     return m
 
 

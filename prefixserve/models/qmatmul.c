@@ -74,19 +74,92 @@ static inline __attribute__((always_inline)) void block(int R, int q8, const flo
         for (int j = 0; j < OB; j++) out[r * ldo + j] = hsum(acc[r][j]);
 }
 
+/* The same arithmetic as `block`, reading the weights of a block of OB outputs from `wb`, where
+ * `widen` has stored them as fp32 (the very values `block` makes in registers): for calls of many
+ * rows (prefill), which then decode each group once, not once per 4 rows. */
+static inline __attribute__((always_inline)) void block_wide(int R, int q8, const float *x, int64_t ldx, int64_t K,
+                                                             const float *wb, const float *sc, float *out,
+                                                             int64_t ldo) {
+    vec acc[4][OB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < OB; j++) acc[r][j] = V_ZERO();
+    int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups; g++) {
+        const float *w = wb + g * OB * 32;
+        for (int r = 0; r < R; r++) {
+            vec xl = V_LOAD(x + r * ldx + g * 32), xh = V_LOAD(x + r * ldx + g * 32 + 16);
+            for (int j = 0; j < OB; j++) {
+                vec lo = V_LOAD(w + 32 * j), hi = V_LOAD(w + 32 * j + 16);
+                if (q8) {
+                    vec t = V_MUL(lo, xl);
+                    t = V_FMA(hi, xh, t);
+                    acc[r][j] = V_FMA(t, V_SET1(sc[g * OB + j]), acc[r][j]);
+                } else {
+                    acc[r][j] = V_FMA(lo, xl, acc[r][j]);
+                    acc[r][j] = V_FMA(hi, xh, acc[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < OB; j++) out[r * ldo + j] = hsum(acc[r][j]);
+}
+
+/* one block of OB outputs as fp32 weights wb [groups][OB][32] (codes 0..15, then 16..31) and, for
+ * Q8, scales sc [groups][OB] */
+static void widen(int q8, int64_t K, const uint8_t *q, float *wb, float *sc) {
+#if defined(__AVX512F__)
+    const vec iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#else
+    vec iota;
+    for (int i = 0; i < 16; i++) iota.f[i] = (float)i;
+#endif
+    for (int64_t g = 0; g < K / 32; g++) {
+        const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
+        const float *scale = (const float *)(p + (q8 ? 128 : 64)), *bias = scale + 4;
+        __builtin_prefetch(p + PREFETCH);
+        __builtin_prefetch(p + PREFETCH + 64);
+        if (q8) __builtin_prefetch(p + PREFETCH + 128);
+        float *w = wb + g * OB * 32;
+        for (int j = 0; j < OB; j++) {
+            vec lo, hi;
+            if (q8) {
+                lo = v_q8((const int8_t *)p + 32 * j);
+                hi = v_q8((const int8_t *)p + 32 * j + 16);
+                sc[g * OB + j] = scale[j];
+            } else {
+                v_q4(p + 16 * j, V_FMA(V_SET1(scale[j]), iota, V_SET1(bias[j])), &lo, &hi);
+            }
+            V_STORE(w + 32 * j, lo);
+            V_STORE(w + 32 * j + 16, hi);
+        }
+    }
+}
+
+/* calls of at least WIDE_ROWS rows widen each block once (`block_wide`), into a buffer on the stack
+ * (at most 128 KB: K <= WIDE_MAX_K) */
+enum { WIDE_ROWS = 8, WIDE_MAX_K = 8192 };
+
 /* x: [n] rows ldx floats apart, K used; out: [n] rows ldo floats apart, columns [o0, o1) written
  * (o0, o1 multiples of OB). kind 0: Q4, 1: Q8. */
 void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
-             float *out, int64_t ldo) {
+            float *out, int64_t ldo) {
     int q8 = kind == 1;
     int64_t bb = K / 32 * (q8 ? Q8_BYTES : Q4_BYTES);  /* bytes of one block of OB outputs */
+    int wide = n >= WIDE_ROWS && K <= WIDE_MAX_K;
+    float buf[wide ? K * OB + K / 32 * OB + 16 : 1];
+    float *wb = wide ? (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63) : NULL, *sc = wb ? wb + K * OB : NULL;
+    /* wide calls go 64 rows at a time, so that those rows stay in cache across the blocks */
+    for (int64_t r0 = 0; r0 < n; r0 += wide ? 64 : n)
     for (int64_t o = o0; o < o1; o += OB) {
         const uint8_t *qo = q + o / OB * bb;
-        for (int64_t r = 0; r < n; r += 4) {
-            int R = n - r < 4 ? (int)(n - r) : 4;
+        int64_t r1 = wide && r0 + 64 < n ? r0 + 64 : n;
+        if (wb) widen(q8, K, qo, wb, sc);
+        for (int64_t r = r0; r < r1; r += 4) {
+            int R = r1 - r < 4 ? (int)(r1 - r) : 4;
             const float *xr = x + r * ldx;
             float *yr = out + r * ldo + o;
-#define BLOCK(RR, Q8) block(RR, Q8, xr, ldx, K, qo, yr, ldo)
+#define BLOCK(RR, Q8) (wb ? block_wide(RR, Q8, xr, ldx, K, wb, sc, yr, ldo) : block(RR, Q8, xr, ldx, K, qo, yr, ldo))
             /* one specialisation per row count and kind; the same arithmetic per row */
             if (q8) {
                 if (R == 4) BLOCK(4, 1); else if (R == 3) BLOCK(3, 1); else if (R == 2) BLOCK(2, 1); else BLOCK(1, 1);

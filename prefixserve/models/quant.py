@@ -6,7 +6,8 @@ quarter of the bytes) and its per-output reduction over K is a fixed loop, so a 
 depend on how many rows share the call (checked for 1..64 rows, every offset, in tests/runner).
 Its arithmetic differs from the dense bf16 matmul, so a token decoded this way has other bits
 than the same token prefilled; the engine therefore never offers decode-produced KV to the cache
-(see `Decoder.decode_matches_prefill`). Prefill stays dense and split-invariant.
+(see `Decoder.decode_matches_prefill`). Prefill stays split-invariant: dense tiles, or, on CPUs
+without bf16 arithmetic, qmatmul.c on these packs (`Decoder.prefill_q4`, row-local by construction).
 
 Layout of the kernel's dequantisation: w = (code - 8) * scale + zero, per group of 32 along K.
 - Q4_1 (d, m, 4-bit q): w = d*q + m  ->  scale = d, zero = m + 8d

@@ -97,18 +97,22 @@ def _greedy(runner: ModelRunner, st, steps: int, others=()) -> tuple[list[int], 
     return out, st.logits
 
 
-@pytest.mark.parametrize("fp32_matmuls", [False, True])
-def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4, fp32_matmuls):
-    """Also with the dense tiles in fp32 and the decode rows' attention native (`use_fp32_matmuls`,
-    the default on CPUs without bf16 arithmetic)."""
+@pytest.mark.parametrize("matmuls", ["bf16", "fp32", "q4"])
+def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4, matmuls):
+    """Also with the dense tiles in fp32, or prefill's matmuls on the 4-bit codes, and the decode
+    rows' attention native (`use_fp32_matmuls`, the default on CPUs without bf16 arithmetic)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (37, 20, 50, 9)]
     runner = ModelRunner(load(tiny_q4, torch.bfloat16, decode_kernel="int4"))
     dense = ModelRunner(load(tiny_q4, torch.bfloat16, decode_kernel="dense"))
-    if fp32_matmuls:
+    if matmuls != "bf16":
         for r in (runner, dense):
-            r.decoder.use_fp32_matmuls()
-        assert runner.decoder.layers[0].qkv.dtype == torch.float32
+            r.decoder.use_fp32_matmuls(q4=matmuls == "q4")
+        if matmuls == "q4" and not runner.decoder.prefill_q4:
+            pytest.skip("no native 4-bit packs here (models/native.py)")
+        assert runner.decoder.prefill_q4 == (matmuls == "q4")
+        assert (runner.decoder.layers[0].qkv.dtype == torch.float32) == (matmuls == "fp32")
+        assert dense.decoder.layers[0].qkv.dtype == torch.float32 and not dense.decoder.prefill_q4
         assert runner.decoder.native_decode_attention == runner.decoder.native_attention
 
     def start(r: ModelRunner, ids: list[int]):
@@ -127,7 +131,11 @@ def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4, fp32_matmuls
     st_d = start(dense, prompts[0])
     st_q = start(runner, prompts[0])
     n = len(prompts[0])
-    assert torch.equal(st_d.kv[..., :n, :], st_q.kv[..., :n, :])  # prefill is the same dense path in both
+    if matmuls == "q4":  # prefill multiplies the 4-bit codes: other bits than the dense path, close
+        assert F.cosine_similarity(st_d.kv[..., :n, :].flatten().float(), st_q.kv[..., :n, :].flatten().float(),
+                                   dim=0) > 0.999
+    else:
+        assert torch.equal(st_d.kv[..., :n, :], st_q.kv[..., :n, :])  # prefill is the same dense path in both
     assert F.cosine_similarity(st_d.logits, st_q.logits, dim=0) > 0.999  # only the 4-bit lm_head differs
     for _ in range(4):  # same fed tokens: the 4-bit decode logits stay close to the dense ones
         token = int(torch.argmax(st_d.logits))
@@ -152,16 +160,23 @@ def test_mixed_decode_and_prefill_order_is_enforced(tiny_q4):
     assert np.isfinite(a.logits.numpy()).all()
 
 
-def test_fp32_matmuls_keep_prefill_chunk_invariant_and_close_to_bf16(tiny_q4):
-    """A bf16 model whose dense tiles multiply in fp32: the KV and logits of a prompt do not depend on
-    how it is chunked (the exactness rule holds as for bf16 tiles), differ from the bf16 tiles' only
-    by rounding, and the disk tier's fingerprint tells the two apart."""
+@pytest.mark.parametrize("q4", [False, True])
+def test_fp32_matmuls_keep_prefill_chunk_invariant_and_close_to_bf16(tiny_q4, q4):
+    """A bf16 model whose dense tiles multiply in fp32, or whose prefill multiplies the 4-bit codes
+    (`prefill_q4`, only a tile's real rows): the KV and logits of a prompt do not depend on how it is
+    chunked, differ from the bf16 tiles' only by rounding, and the disk tier's fingerprint tells the
+    modes apart."""
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, TINY["vocab_size"], (150,), generator=g).tolist()
     bf16 = ModelRunner(load(tiny_q4, torch.bfloat16))
     wide = ModelRunner(load(tiny_q4, torch.bfloat16))
-    wide.decoder.use_fp32_matmuls()
-    assert wide.decoder.kernel_fingerprint() != bf16.decoder.kernel_fingerprint()
+    wide.decoder.use_fp32_matmuls(q4=q4)
+    if q4 and not wide.decoder.prefill_q4:
+        pytest.skip("no native 4-bit packs here (models/native.py)")
+    other = ModelRunner(load(tiny_q4, torch.bfloat16))
+    other.decoder.use_fp32_matmuls(q4=not q4)
+    modes = 3 if wide.decoder.prefill_q4 or other.decoder.prefill_q4 else 2  # (no packs: other is fp32 too)
+    assert len({r.decoder.kernel_fingerprint() for r in (bf16, wide, other)}) == modes
     states = []
     for r, chunks in ((wide, (150,)), (wide, (1, 63, 64, 22)), (wide, (37, 113)), (bf16, (150,))):
         st = r.new_state()
@@ -176,3 +191,27 @@ def test_fp32_matmuls_keep_prefill_chunk_invariant_and_close_to_bf16(tiny_q4):
         assert torch.equal(st.logits, one.logits)
     assert one.kv.dtype == torch.bfloat16
     assert F.cosine_similarity(one.logits, narrow.logits, dim=0) > 0.999
+
+
+def test_self_test_refusing_4bit_decode_moves_q4_prefill_to_checked_fp32_tiles(tiny_q4, monkeypatch):
+    """Prefill on the 4-bit codes (`prefill_q4`) goes with the 4-bit decode rows: when the end-to-end
+    check refuses those, prefill falls back to fp32 copies of the weights, whose tiles the self-test
+    then checks like any dense tile before it passes."""
+    from prefixserve.runner import selftest
+
+    runner = ModelRunner(load(tiny_q4, torch.bfloat16, decode_kernel="int4"))
+    runner.decoder.use_fp32_matmuls()
+    if not runner.decoder.prefill_q4:
+        pytest.skip("no native 4-bit packs here (models/native.py)")
+    checked, real = [], selftest.check_tile_rows
+    monkeypatch.setattr(selftest, "check_tile_rows", lambda dec, plan: checked.append(
+        [name for name, *_ in selftest._dense_tiles(dec, plan)]) or real(dec, plan))
+    refused, real_inv = [], selftest.check_invariance
+    monkeypatch.setattr(selftest, "check_invariance", lambda r: real_inv(r) if refused else refused.append(1) or
+                        "decode rows: logits differ alone and batched")
+    result = selftest.self_test(runner)
+    d = runner.decoder
+    assert result.ok and result.decode_kernel == "dense" and "4-bit decode refused" in result.detail
+    assert not d.prefill_q4 and d.layers[0].qkv.dtype == torch.float32
+    assert "mm=torch.float32" in d.kernel_fingerprint()
+    assert checked[0] == [] and checked[-1][:4] == ["qkv", "o_proj", "gate_up", "down"]
