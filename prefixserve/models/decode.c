@@ -1,6 +1,7 @@
 /* A decode step of a Llama-family model in one call: every layer, then the final norm and the
  * logits, for n decoded tokens (one per session), on a team of threads (models/native_decode.py
- * `decode_rows`, docs/architecture.md "Decode").
+ * `decode_rows`, docs/architecture.md "Decode"); and, with the same per-row arithmetic but
+ * attention.c's attention, a layer of a step's prompt rows per call (`prefill_layer`, at the end).
  *
  * Built with attention.c and qmatmul.c by models/native.py and called through ctypes. Decoded
  * tokens' KV is never cached (the engine re-derives it by prefill), so their arithmetic need not
@@ -324,7 +325,7 @@ static void residual(step_t *s, int64_t o0, int64_t o1) {
 
 /* the attention of layer l's rows (K/V of their positions written): scores by chunks of keys, then
  * softmax weights by head, then outputs by 16 dims, a barrier after each */
-static void attention(step_t *s, int64_t l, int t, int T, int *local) {
+static void decode_attention(step_t *s, int64_t l, int t, int T, int *local) {
     int64_t n = s->n, hd = s->hd, kvh = s->kv_heads, rep = s->heads / kvh, idx = 0;
     for (int64_t r = 0; r < n; r++)
         for (int64_t g = 0; g < kvh; g++) {
@@ -355,71 +356,94 @@ static void attention(step_t *s, int64_t l, int t, int T, int *local) {
     barrier(&s->bar, local, T);
 }
 
-static void step_task(void *p, int t, int T) {
-    step_t *s = p;
-    int local = 0;
+/* layer l's first half for every row: norm, q/k/v, bias, q/k norms, RoPE; queries scaled into s->q,
+ * K and V written at the rows' positions; ends at a barrier */
+static void front(step_t *s, int64_t l, int t, int T, int *local) {
     int64_t n = s->n, d = s->hidden, hd = s->hd, kvh = s->kv_heads, rep = s->heads / kvh;
     int64_t qs = s->heads * hd, ks = kvh * hd, nqkv = qs + 2 * ks, inter = s->inter;
     float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
     int64_t o0, o1;
-    for (int64_t l = 0; l < s->layers; l++) {
-        const int64_t *w = s->w + l * W_PER_LAYER;
-        const float *qn = (const float *)w[W_Q_NORM], *kn = (const float *)w[W_K_NORM], *bias = (const float *)w[W_QKV_BIAS];
-        for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_ATTN_NORM], d, s->eps, x + r * d);
-        share(nqkv, t, T, &o0, &o1);
-        qmatmul(x, n, d, d, (int)(w[W_KINDS] & 1), (const uint8_t *)w[W_QKV], o0, o1, s->qkv, nqkv);
-        barrier(&s->bar, &local, T);
-        for (int64_t task = t; task < n * kvh; task += T) {
-            int64_t r = task / kvh, g = task % kvh;
-            float *row = s->qkv + r * nqkv, *kr = row + qs + g * hd, *vr = row + qs + ks + g * hd;
-            const float *cs = s->cs + r * hd, *sn = s->sn + r * hd;
-            for (int64_t h = 0; h < rep; h++) {
-                float *qr = row + (g * rep + h) * hd, *dst = s->q + (r * s->heads + g * rep + h) * hd;
-                if (bias)
-                    for (int64_t i = 0; i < hd; i++) qr[i] = qr[i] + bias[(g * rep + h) * hd + i];
-                if (qn) rmsnorm(qr, qn, hd, s->eps, qr);
-                rope(qr, cs, sn, (int)hd);
-                for (int64_t i = 0; i < hd; i++) dst[i] = qr[i] * s->scale;
-            }
+    const int64_t *w = s->w + l * W_PER_LAYER;
+    const float *qn = (const float *)w[W_Q_NORM], *kn = (const float *)w[W_K_NORM], *bias = (const float *)w[W_QKV_BIAS];
+    for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_ATTN_NORM], d, s->eps, x + r * d);
+    share(nqkv, t, T, &o0, &o1);
+    qmatmul(x, n, d, d, (int)(w[W_KINDS] & 1), (const uint8_t *)w[W_QKV], o0, o1, s->qkv, nqkv);
+    barrier(&s->bar, local, T);
+    for (int64_t task = t; task < n * kvh; task += T) {
+        int64_t r = task / kvh, g = task % kvh;
+        float *row = s->qkv + r * nqkv, *kr = row + qs + g * hd, *vr = row + qs + ks + g * hd;
+        const float *cs = s->cs + r * hd, *sn = s->sn + r * hd;
+        for (int64_t h = 0; h < rep; h++) {
+            float *qr = row + (g * rep + h) * hd, *dst = s->q + (r * s->heads + g * rep + h) * hd;
             if (bias)
-                for (int64_t i = 0; i < hd; i++) {
-                    kr[i] = kr[i] + bias[qs + g * hd + i];
-                    vr[i] = vr[i] + bias[qs + ks + g * hd + i];
-                }
-            if (kn) rmsnorm(kr, kn, hd, s->eps, kr);
-            rope(kr, cs, sn, (int)hd);
-            const int64_t *kv = s->kv + r * KV_DESC;
-            uint16_t *kc = (uint16_t *)kv[0] + l * kv[1] + g * kv[3], *vc = kc + kv[2];
-            int64_t at = s->pos[r];
-            for (int64_t i = 0; i < hd; i++) {
-                kc[at * hd + i] = to_bf16(kr[i]);
-                vc[at * hd + i] = to_bf16(vr[i]);
-            }
+                for (int64_t i = 0; i < hd; i++) qr[i] = qr[i] + bias[(g * rep + h) * hd + i];
+            if (qn) rmsnorm(qr, qn, hd, s->eps, qr);
+            rope(qr, cs, sn, (int)hd);
+            for (int64_t i = 0; i < hd; i++) dst[i] = qr[i] * s->scale;
         }
-        barrier(&s->bar, &local, T);
-        attention(s, l, t, T, &local);
-        share(d, t, T, &o0, &o1);
-        qmatmul(s->attn, n, qs, qs, (int)(w[W_KINDS] >> 1 & 1), (const uint8_t *)w[W_O], o0, o1, s->tmp, d);
-        residual(s, o0, o1);
-        barrier(&s->bar, &local, T);
-        for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
-        share(inter, t, T, &o0, &o1);
-        qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], o0, o1, s->gu, 2 * inter);
-        qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], inter + o0, inter + o1, s->gu, 2 * inter);
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t i = o0; i < o1; i += 16) {
-                const float *g = s->gu + r * 2 * inter + i;
-                V_STORE(s->act + r * inter + i, V_MUL(silu(V_LOAD(g)), V_LOAD(g + inter)));
+        if (bias)
+            for (int64_t i = 0; i < hd; i++) {
+                kr[i] = kr[i] + bias[qs + g * hd + i];
+                vr[i] = vr[i] + bias[qs + ks + g * hd + i];
             }
-        barrier(&s->bar, &local, T);
-        share(d, t, T, &o0, &o1);
-        qmatmul(s->act, n, inter, inter, (int)(w[W_KINDS] >> 3 & 1), (const uint8_t *)w[W_DOWN], o0, o1, s->tmp, d);
-        residual(s, o0, o1);
-        barrier(&s->bar, &local, T);
+        if (kn) rmsnorm(kr, kn, hd, s->eps, kr);
+        rope(kr, cs, sn, (int)hd);
+        const int64_t *kv = s->kv + r * KV_DESC;
+        uint16_t *kc = (uint16_t *)kv[0] + l * kv[1] + g * kv[3], *vc = kc + kv[2];
+        int64_t at = s->pos[r];
+        for (int64_t i = 0; i < hd; i++) {
+            kc[at * hd + i] = to_bf16(kr[i]);
+            vc[at * hd + i] = to_bf16(vr[i]);
+        }
     }
+    barrier(&s->bar, local, T);
+}
+
+/* layer l's second half (s->attn holds the attention's outputs): o_proj and the residual, norm,
+ * gate/up, SiLU, down and the residual; ends at a barrier */
+static void back(step_t *s, int64_t l, int t, int T, int *local) {
+    int64_t n = s->n, d = s->hidden, qs = s->heads * s->hd, inter = s->inter;
+    float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
+    int64_t o0, o1;
+    const int64_t *w = s->w + l * W_PER_LAYER;
+    share(d, t, T, &o0, &o1);
+    qmatmul(s->attn, n, qs, qs, (int)(w[W_KINDS] >> 1 & 1), (const uint8_t *)w[W_O], o0, o1, s->tmp, d);
+    residual(s, o0, o1);
+    barrier(&s->bar, local, T);
+    for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
+    share(inter, t, T, &o0, &o1);
+    qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], o0, o1, s->gu, 2 * inter);
+    qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], inter + o0, inter + o1, s->gu, 2 * inter);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = o0; i < o1; i += 16) {
+            const float *g = s->gu + r * 2 * inter + i;
+            V_STORE(s->act + r * inter + i, V_MUL(silu(V_LOAD(g)), V_LOAD(g + inter)));
+        }
+    barrier(&s->bar, local, T);
+    share(d, t, T, &o0, &o1);
+    qmatmul(s->act, n, inter, inter, (int)(w[W_KINDS] >> 3 & 1), (const uint8_t *)w[W_DOWN], o0, o1, s->tmp, d);
+    residual(s, o0, o1);
+    barrier(&s->bar, local, T);
+}
+
+/* the final norm and the logits of every row */
+static void logits(step_t *s, int t, int T) {
+    int64_t n = s->n, d = s->hidden, inter = s->inter, o0, o1;
+    float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, x + r * d);
     share(s->vocab_pad, t, T, &o0, &o1);
     qmatmul(x, n, d, d, (int)s->head_kind, s->head, o0, o1, s->y, s->vocab_pad);
+}
+
+static void step_task(void *p, int t, int T) {
+    step_t *s = p;
+    int local = 0;
+    for (int64_t l = 0; l < s->layers; l++) {
+        front(s, l, t, T, &local);
+        decode_attention(s, l, t, T, &local);
+        back(s, l, t, T, &local);
+    }
+    logits(s, t, T);
 }
 
 /* dims: n, hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head_kind;
@@ -456,6 +480,114 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     /* run_team settles the member count before any member starts (fewer where a worker could not be
      * created), so every barrier waits for the members that run */
     T = run_team(step_task, &s, T);
+    free(buf);
+    return T;
+}
+
+/* ---- prefill rows, a layer per call (models/native_decode.py `prefill_layer`) ----
+ * The same front and back halves as a decode step, for a step's prompt rows: each row's bits are its
+ * own (its token, position and keys), whatever the batch, the chunking or the thread count. The
+ * attention is attention.c's kernel, one call per segment (its rows at consecutive positions of one
+ * session) or per part of one: a long segment's rows are cut into parts of about equal work (a
+ * row's keys grow with its position) shared by the team. */
+int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads, int hd, const void *k,
+              const void *v, int64_t kv_stride, int bf16, float scale, float *out);
+
+enum { SPLIT_WORK = 16384 };  /* rows x keys below which a segment's attention is one call */
+
+typedef struct {
+    step_t s;
+    int64_t layer, nseg;
+    const int64_t *segs;  /* [nseg][2]: first row, rows (the rows' positions follow pos[first]) */
+    atomic_int failed;
+} prefill_t;
+
+/* keys attended by a segment's first r rows from position `start` */
+static double work(int64_t r, int64_t start) { return (double)r * (double)start + (double)r * (double)(r + 1) / 2; }
+
+/* the first row of part k of T of a segment's n rows from `start`, parts of about equal work */
+static int64_t part_start(int64_t n, int64_t start, int k, int T) {
+    if (k >= T) return n;
+    double goal = work(n, start) * k / T;
+    int64_t r = 0;
+    while (r < n && work(r, start) < goal) r++;
+    return r;
+}
+
+static void prefill_task(void *p, int t, int T) {
+    prefill_t *pf = p;
+    step_t *s = &pf->s;
+    int local = 0;
+    int64_t l = pf->layer, qs = s->heads * s->hd;
+    front(s, l, t, T, &local);
+    for (int64_t i = 0; i < pf->nseg; i++) {
+        int64_t first = pf->segs[2 * i], rows = pf->segs[2 * i + 1], a = 0, b = rows;
+        if (rows <= 0) continue;
+        int64_t start = s->pos[first];
+        if (rows * (start + rows) >= SPLIT_WORK)
+            a = part_start(rows, start, t, T), b = part_start(rows, start, t + 1, T);
+        else if (i % T != t)
+            continue;
+        if (b <= a) continue;
+        const int64_t *kv = s->kv + first * KV_DESC;
+        const uint16_t *k = (const uint16_t *)kv[0] + l * kv[1];
+        if (attention(s->q + (first + a) * qs, b - a, start + a, (int)s->heads, (int)s->kv_heads, (int)s->hd, k,
+                      k + kv[2], kv[3], 1, 1.0f, s->attn + (first + a) * qs) != 0)
+            atomic_store(&pf->failed, 1);
+    }
+    barrier(&s->bar, &local, T);
+    back(s, l, t, T, &local);
+}
+
+static void logits_task(void *p, int t, int T) { logits(p, t, T); }
+
+/* floats of scratch `prefill_layer` needs for n rows on `ways` threads (dims as decode_step's) */
+int64_t prefill_scratch(const int64_t *dims, int ways) {
+    int64_t n = dims[0], d = dims[1], qs = dims[2] * dims[4], nqkv = qs + 2 * dims[3] * dims[4], inter = dims[5];
+    int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
+    return n * (nqkv + 2 * qs + 3 * inter + d) + T * n * (d > inter ? d : inter);
+}
+
+/* layer `layer` for n prompt rows: h [n][hidden] fp32 in and out (the residual stream), K/V written
+ * at pos (kv as decode_step's), segs as prefill_t's; scratch: prefill_scratch(dims, ways) floats.
+ * Returns the threads used, or -1 when out of memory. */
+int prefill_layer(const int64_t *dims, float eps, float scale, const int64_t *w, int64_t layer, float *h,
+                  const int64_t *pos, const float *cs, const float *sn, const int64_t *kv, const int64_t *segs,
+                  int64_t nseg, float *scratch, int ways) {
+    prefill_t pf;
+    memset(&pf, 0, sizeof pf);
+    step_t *s = &pf.s;
+    s->n = dims[0], s->hidden = dims[1], s->heads = dims[2], s->kv_heads = dims[3], s->hd = dims[4];
+    s->inter = dims[5], s->layers = dims[6];
+    s->eps = eps, s->scale = scale, s->w = w, s->h = h, s->pos = pos, s->cs = cs, s->sn = sn, s->kv = kv;
+    int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
+    int64_t n = s->n, qs = s->heads * s->hd, nqkv = qs + 2 * s->kv_heads * s->hd;
+    float *p = scratch;
+    s->qkv = p, p += n * nqkv;
+    s->attn = p, p += n * qs;
+    s->q = p, p += n * qs;
+    s->gu = p, p += 2 * n * s->inter;
+    s->act = p, p += n * s->inter;
+    s->tmp = p, p += n * s->hidden;
+    s->xs = p;
+    pf.layer = layer, pf.segs = segs, pf.nseg = nseg;
+    T = run_team(prefill_task, &pf, T);
+    return atomic_load(&pf.failed) ? -1 : T;
+}
+
+/* the final norm and logits of n rows h [n][hidden] into y [n][vocab_pad] (dims as decode_step's) */
+int rows_logits(const int64_t *dims, float eps, const float *final_norm, const uint8_t *head, const float *h,
+                float *y, int ways) {
+    step_t s;
+    memset(&s, 0, sizeof s);
+    s.n = dims[0], s.hidden = dims[1], s.inter = dims[5], s.vocab_pad = dims[7], s.head_kind = dims[8];
+    s.eps = eps, s.final_norm = final_norm, s.head = head, s.h = (float *)h, s.y = y;
+    int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
+    int64_t wide = s.hidden > s.inter ? s.hidden : s.inter;
+    float *buf = aligned_alloc(64, (size_t)(T * s.n * wide) * sizeof(float) + 64);
+    if (!buf) return -1;
+    s.xs = buf;
+    T = run_team(logits_task, &s, T);
     free(buf);
     return T;
 }

@@ -157,7 +157,8 @@ class Decoder:
     def matmuls(self) -> str:
         """What prefill's matmuls multiply, for logs and /health."""
         if self.prefill_q4:
-            return f"{self.dtype} model, matmuls on the 4-bit codes (row-local)"
+            how = "prefill one native call a layer" if self.native_decode_plan() is not None else "tiles"
+            return f"{self.dtype} model, matmuls on the 4-bit codes ({how})"
         mm = self.matmul_dtype
         return f"{self.dtype} matmuls" if mm == self.dtype else f"{self.dtype} model, {mm} matmuls"
 
@@ -221,8 +222,12 @@ class Decoder:
         )
         cos, sin = self.rope.lookup(positions)
         decoded = None  # decode rows' logits from the native decode step (models/native_decode.py)
-        if nd and (plan := self.native_decode_plan()) is not None:
+        plan = self.native_decode_plan() if nd or self.prefill_q4 else None
+        if nd and plan is not None:
             decoded = native_decode.decode_rows(self, plan, token_ids[:nd], segments[:leading])
+        if (self.prefill_q4 and plan is not None and num_rows > nd and (decoded is not None or not nd)
+                and (rows := native_decode.prefill_start(self, plan, token_ids[nd:], segments[leading:])) is not None):
+            return (yield from native_decode.prefill_layers(self, plan, rows, decoded, segments, nd))
         h = self.embed.new_zeros(total, a.hidden_size)
         h[:num_rows] = self.embed[token_ids]
         q = h.new_empty(total, a.num_heads, a.head_dim)

@@ -1,6 +1,6 @@
 """Native kernels, built on the machine that runs them and called through ctypes: attention.c (causal
 attention of any rows), qmatmul.c (4- and 8-bit GGUF matmuls for decode rows and logits) and
-decode.c (a whole decode step on a team of threads), sharing simd.h.
+decode.c (a whole decode step, or a layer of prompt rows, on a team of threads), sharing simd.h.
 
 The first process that needs them compiles the C sources (`cc -O3 -march=native -ffp-contract=off`,
 a few seconds) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
@@ -121,6 +121,13 @@ def library() -> ctypes.CDLL | None:
         lib.qmatmul_team.argtypes = [P, I64, I64, I64, ctypes.c_int, P, I64, P, I64, ctypes.c_int]
         lib.decode_step.restype = ctypes.c_int
         lib.decode_step.argtypes = [P, ctypes.c_float, ctypes.c_float, P, P, P, P, P, P, P, P, P, ctypes.c_int]
+        lib.prefill_scratch.restype = I64
+        lib.prefill_scratch.argtypes = [P, ctypes.c_int]
+        lib.prefill_layer.restype = ctypes.c_int
+        lib.prefill_layer.argtypes = [P, ctypes.c_float, ctypes.c_float, P, I64, P, P, P, P, P, P, I64, P,
+                                      ctypes.c_int]
+        lib.rows_logits.restype = ctypes.c_int
+        lib.rows_logits.argtypes = [P, ctypes.c_float, P, P, P, P, ctypes.c_int]
         _lib = lib
         return lib
 

@@ -6,11 +6,17 @@ weight of the model is packed for them (models/quant.py). Like the torch formula
 it is row-local and thread-count invariant (decode.c), and its bits differ from prefill's, so the
 engine never caches decode-produced KV (`Decoder.decode_matches_prefill`). The residual stream stays
 in fp32 through the layers; K and V are written to the session's cache in bf16.
+
+Prompt rows run the same per-row arithmetic a layer per call (`prefill_layers`, where prefill
+multiplies the 4-bit codes: `Decoder.prefill_q4`), with attention.c's attention instead of the decode
+step's: every row's bits its own whatever the chunking, the batch or the thread count, so cached
+prefixes stay exact (docs/exactness.md), and no torch op runs between the matmuls.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,17 +98,12 @@ def decode_rows(dec: Decoder, plan: DecodePlan, token_ids: torch.Tensor, segment
     a = dec.arch
     n = len(segments)
     hd = a.head_dim
-    for s in segments:
-        kv = s.kv
-        if (kv.dtype != torch.bfloat16 or kv.dim() != 5 or kv.stride(4) != 1 or kv.stride(3) != hd
-                or kv.shape[3] <= s.start or s.num_new != 1):
-            return None
+    kv_desc = _kv_desc(segments, hd) if all(s.num_new == 1 for s in segments) else None
+    if kv_desc is None:
+        return None
     h = dec.embed[token_ids].float().contiguous()
     pos = torch.tensor([s.start for s in segments], dtype=torch.int64)
     cos, sin = dec.rope.lookup32(pos)
-    kv_desc = torch.tensor([[s.kv.data_ptr(), s.kv.stride(0), s.kv.stride(1), s.kv.stride(2), s.kv.shape[3]]
-                            for s in segments],
-                           dtype=torch.int64)
     y = torch.empty(n, plan.dims[6])
     dims = torch.tensor([n, *plan.dims], dtype=torch.int64)
     lib = native.library()
@@ -118,3 +119,109 @@ def decode_rows(dec: Decoder, plan: DecodePlan, token_ids: torch.Tensor, segment
 
     KERNEL_THREADS.team("int4", ("decode", n, int(pos.max()) // 512), call, ways)
     return y[:, : plan.vocab]
+
+
+@dataclass(slots=True)
+class PrefillRows:
+    """A step's prompt rows on their way through `prefill_layer`: h, the residual stream [n, hidden] in
+    fp32, and what decode.c reads of the rows."""
+
+    h: torch.Tensor
+    dims: torch.Tensor
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_desc: torch.Tensor
+    segs: torch.Tensor
+    scratch: torch.Tensor
+
+
+def _kv_desc(segments: list[Segment], hd: int) -> torch.Tensor | None:
+    """decode.c's view of each row's session KV (one row per new token), or None where a session's KV
+    is not laid out as it reads it."""
+    rows = []
+    for s in segments:
+        kv = s.kv
+        if (kv.dtype != torch.bfloat16 or kv.dim() != 5 or kv.stride(4) != 1 or kv.stride(3) != hd
+                or kv.shape[3] < s.start + s.num_new):
+            return None
+        rows += [[kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[3]]] * s.num_new
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def prefill_start(dec: Decoder, plan: DecodePlan, token_ids: torch.Tensor,
+                  segments: list[Segment]) -> PrefillRows | None:
+    """The prompt rows of `segments` (token_ids in order) ready for `prefill_layer`; None where a
+    session's KV is not laid out as decode.c reads it (the caller runs the tile path)."""
+    kv_desc = _kv_desc(segments, dec.arch.head_dim)
+    if kv_desc is None:
+        return None
+    lib = native.library()
+    assert lib is not None
+    n = token_ids.shape[0]
+    pos = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in segments])
+    cos, sin = dec.rope.lookup32(pos)
+    firsts = torch.tensor([0, *(s.num_new for s in segments)]).cumsum(0)[:-1]
+    segs = torch.stack([firsts, torch.tensor([s.num_new for s in segments])], dim=1).contiguous()
+    dims = torch.tensor([n, *plan.dims], dtype=torch.int64)
+    scratch = torch.empty(int(lib.prefill_scratch(dims.data_ptr(), KERNEL_THREADS.threads)))
+    return PrefillRows(dec.embed[token_ids].float().contiguous(), dims, pos, cos, sin, kv_desc, segs, scratch)
+
+
+def prefill_layer(plan: DecodePlan, rows: PrefillRows, layer: int, ways: int | None = None) -> None:
+    """Layer `layer` for the prompt rows (decode.c `prefill_layer`): writes their K/V, advances rows.h.
+    Each row's bits are its own, whatever the batch, chunking or thread count."""
+    lib = native.library()
+    assert lib is not None
+    h = rows.h
+
+    def call(t: int) -> int:
+        rc = lib.prefill_layer(rows.dims.data_ptr(), ctypes.c_float(plan.eps), ctypes.c_float(plan.scale),
+                               plan.weights.data_ptr(), layer, h.data_ptr(), rows.pos.data_ptr(), rows.cos.data_ptr(),
+                               rows.sin.data_ptr(), rows.kv_desc.data_ptr(), rows.segs.data_ptr(), rows.segs.shape[0],
+                               rows.scratch.data_ptr(), min(t, KERNEL_THREADS.threads))
+        if rc < 0:
+            raise MemoryError("native prefill: out of memory")
+        return int(rc)
+
+    KERNEL_THREADS.team("int4", ("prefill", h.shape[0], int(rows.pos.max()) // 512), call, ways)
+
+
+def rows_logits(plan: DecodePlan, h: torch.Tensor, ways: int | None = None) -> torch.Tensor:
+    """fp32 logits [n, vocab] of residual rows h [n, hidden] fp32: the final norm and the head as a
+    decode step computes them (decode.c `logits`)."""
+    lib = native.library()
+    assert lib is not None
+    h = h.contiguous()
+    dims = torch.tensor([h.shape[0], *plan.dims], dtype=torch.int64)
+    y = torch.empty(h.shape[0], plan.dims[6])
+
+    def call(t: int) -> int:
+        rc = lib.rows_logits(dims.data_ptr(), ctypes.c_float(plan.eps), plan.final_norm.data_ptr(),
+                             plan.head.data_ptr(), h.data_ptr(), y.data_ptr(), t)
+        if rc < 0:
+            raise MemoryError("native logits: out of memory")
+        return int(rc)
+
+    KERNEL_THREADS.team("int4", ("logits", h.shape[0]), call, ways)
+    return y[:, : plan.vocab]
+
+
+def prefill_layers(dec: Decoder, plan: DecodePlan, rows: PrefillRows, decoded: torch.Tensor | None,
+                   segments: list[Segment], nd: int) -> Generator[None, None, torch.Tensor]:
+    """`Decoder.forward_layers` with the prompt rows in one native call a layer (`prefill_layer`) and the
+    first `nd` rows, decode rows, already done (`decoded`: their logits, or None when nd is 0); pauses
+    after each layer and returns what forward_layers returns."""
+    for layer in range(len(dec.layers)):
+        prefill_layer(plan, rows, layer)
+        yield
+    wanted, offset = [], 0
+    for s in segments:
+        offset += s.num_new
+        if s.want_logits:
+            wanted.append(offset - 1)
+    mine = [r - nd for r in wanted if r >= nd]
+    out = rows_logits(plan, rows.h[mine]) if mine else torch.empty(0, dec.arch.vocab_size)
+    if decoded is not None:
+        out = torch.cat([decoded[[r for r in wanted if r < nd]], out])
+    return out

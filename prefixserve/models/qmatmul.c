@@ -138,7 +138,7 @@ static void widen(int q8, int64_t K, const uint8_t *q, float *wb, float *sc) {
 
 /* calls of at least WIDE_ROWS rows widen each block once (`block_wide`), into a buffer on the stack
  * (at most 128 KB: K <= WIDE_MAX_K) */
-enum { WIDE_ROWS = 8, WIDE_MAX_K = 8192 };
+enum { WIDE_ROWS = 8, WIDE_MAX_K = 8192, WIDE_CHUNK = 64 };
 
 /* x: [n] rows ldx floats apart, K used; out: [n] rows ldo floats apart, columns [o0, o1) written
  * (o0, o1 multiples of OB). kind 0: Q4, 1: Q8. */
@@ -150,10 +150,10 @@ void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const 
     float buf[wide ? K * OB + K / 32 * OB + 16 : 1];
     float *wb = wide ? (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63) : NULL, *sc = wb ? wb + K * OB : NULL;
     /* wide calls go 64 rows at a time, so that those rows stay in cache across the blocks */
-    for (int64_t r0 = 0; r0 < n; r0 += wide ? 64 : n)
+    for (int64_t r0 = 0; r0 < n; r0 += wide ? WIDE_CHUNK : n)
     for (int64_t o = o0; o < o1; o += OB) {
         const uint8_t *qo = q + o / OB * bb;
-        int64_t r1 = wide && r0 + 64 < n ? r0 + 64 : n;
+        int64_t r1 = wide && r0 + WIDE_CHUNK < n ? r0 + WIDE_CHUNK : n;
         if (wb) widen(q8, K, qo, wb, sc);
         for (int64_t r = r0; r < r1; r += 4) {
             int R = r1 - r < 4 ? (int)(r1 - r) : 4;

@@ -26,9 +26,10 @@ from prefixserve.runner.state import SessionState
 # In order of preference (docs/exactness.md): 64 rows keeps a short suffix (a partial hit) cheap
 # while long prompts still run efficient matmuls; the others are fallbacks should 64 fail somewhere.
 CANDIDATE_PLANS = (TilePlan(64, 16), TilePlan(128, 16), TilePlan(32, 32), TilePlan(16, 16))
-# where prefill multiplies the 4-bit codes (only a tile's real rows), tiles hold only the torch ops
-# around the matmuls: 32 rows took a 22-token suffix over 600 cached tokens 113 -> 100 ms, over 2,000
-# 190 -> 160 ms, a cold 2,000-token prefill no slower (Ice Lake, in process); 16 rows were slower
+# where prefill multiplies the 4-bit codes but cannot run natively a layer per call (models/decoder.py
+# `prefill_q4`), tiles hold only the torch ops around the matmuls: 32 rows took a 22-token suffix over
+# 600 cached tokens 113 -> 100 ms, over 2,000 190 -> 160 ms, a cold 2,000-token prefill no slower
+# (Ice Lake, in process); 16 rows were slower
 Q4_PLANS = (TilePlan(32, 16), *CANDIDATE_PLANS)
 MAX_DECODE_ROWS = 16  # 4-bit decode rows are checked for every row count 1..this
 
@@ -195,6 +196,8 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
         plan = dec.native_decode_plan() if isinstance(dec, Decoder) else None
         if not failed and plan is not None:
             failed = _check_decode_threads(dec, plan, base, many, g)
+        if not failed and plan is not None and getattr(dec, "prefill_q4", False):
+            failed = _check_prefill_threads(dec, plan, base, many, g)
         if failed:
             why.append(failed)
         else:
@@ -228,6 +231,30 @@ def _check_decode_threads(dec: Decoder, plan: native_decode.DecodePlan, base: in
     (la, ka), (lb, kb) = runs
     if la is None or lb is None or not torch.equal(la, lb) or not torch.equal(ka, kb):
         return f"native decode step differs between {base} and {many} threads"
+    return ""
+
+
+def _check_prefill_threads(dec: Decoder, plan: native_decode.DecodePlan, base: int, many: int,
+                           g: torch.Generator) -> str:
+    """'' when native prefill (decode.c `prefill_layer`) gives the same logits and K/V on both counts,
+    for two sessions' prompt rows at once (one long enough that its attention is split by rows)."""
+    a = dec.arch
+    parts = [(0, 37), (600, 40)]  # (start, rows)
+    kv = (torch.randn(len(parts), a.num_layers, 2, a.num_kv_heads, 640, a.head_dim, generator=g) / 2).to(dec.dtype)
+    tokens = torch.randint(0, a.vocab_size, (sum(n for _, n in parts),), generator=g)
+    runs = []
+    for ways in (base, many):
+        mine = kv.clone()
+        segments = [Segment(start, n, mine[i]) for i, (start, n) in enumerate(parts)]
+        rows = native_decode.prefill_start(dec, plan, tokens, segments)
+        if rows is None:
+            return "native prefill cannot run"
+        for layer in range(a.num_layers):
+            native_decode.prefill_layer(plan, rows, layer, ways)
+        runs.append((native_decode.rows_logits(plan, rows.h, ways), mine))
+    (la, ka), (lb, kb) = runs
+    if not torch.equal(la, lb) or not torch.equal(ka, kb):
+        return f"native prefill differs between {base} and {many} threads"
     return ""
 
 

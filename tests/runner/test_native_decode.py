@@ -1,6 +1,7 @@
-"""The native 4-bit matmul (qmatmul.c) and the one-call decode step (decode.c, models/native_decode.py):
-they compute what the weights say, a row's bits are its own whatever the batch and the thread count,
-and a model decoded this way stays close to its dense path (llama, qwen2's qkv bias, qwen3's q/k norms)."""
+"""The native 4-bit matmul (qmatmul.c), the one-call decode step and the native prefill layers (decode.c,
+models/native_decode.py): they compute what the weights say, a row's bits are its own whatever the
+batch, the chunking and the thread count, and a model run this way stays close to its torch
+formulation (llama, qwen2's qkv bias, qwen3's q/k norms)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def test_qmatmul_rows_are_their_own_and_exact_to_fp32(n, q8):
     codes = _codes(g, n, k, q8)
     w = pack([codes], native_layout=True)
     assert w is not None and w.native is not None and w.out_features == n and w.rows == n + (-n % 16)
-    x = torch.randn(40, k, generator=g).bfloat16()
+    x = torch.randn(150, k, generator=g).bfloat16()  # calls of 8+ rows widen the codes, 64 rows at a time
     full = int4_linear(x, w, out_dtype=torch.float32, ways=1)
     reference = F.linear(x.double(), dequantize(codes).double())
     assert (full.double() - reference).abs().max() <= 1e-5 * reference.abs().max()  # fp32 throughout
-    for rows in range(1, 21):
-        for offset in (0, 7, 40 - rows):
+    for rows in [*range(1, 21), 64, 65, 100]:
+        for offset in (0, 7, 63, 150 - rows):
             part = int4_linear(x[offset : offset + rows], w, out_dtype=torch.float32, ways=1)
             assert torch.equal(part, full[offset : offset + rows]), (rows, offset)
     for ways in (2, 3):  # outputs split between threads: the same bits
@@ -160,3 +161,61 @@ def test_roofline_counts_the_native_packs(tiny):
     packs = [w for lw in dec.layers for w in (lw.qkv_q4, lw.o_q4, lw.gate_up_q4, lw.down_q4)] + [dec.lm_head_q4]
     assert all(w is not None and w.native is not None for w in packs)
     assert decode_weight_bytes(dec) == sum(w.native.numel() for w in packs)  # type: ignore[union-attr]
+
+
+def _prefill_runner(folder: str) -> ModelRunner:
+    r = _runner(folder, int4=True)
+    r.decoder.use_fp32_matmuls()  # what a CPU without bf16 arithmetic runs: prefill on the 4-bit codes
+    assert r.decoder.prefill_q4 and r.decoder.native_decode_plan() is not None
+    return r
+
+
+def test_native_prefill_is_chunk_batch_and_thread_invariant(tiny):
+    r = _prefill_runner(tiny)
+    dec = r.decoder
+    plan = dec.native_decode_plan()
+    assert plan is not None
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 320, (150,), generator=g).tolist()
+    other = torch.randint(0, 320, (90,), generator=g).tolist()
+
+    def run(chunks: list[int], company: bool = False):
+        st, o, d = r.new_state(), r.new_state(), _start(r, other[:30]) if company else None
+        at = 0
+        for c in chunks:
+            items = [StepItem(st, ids[at : at + c], want_logits=at + c == len(ids))]
+            if company:  # another prompt's rows and a decoding session in the same steps
+                items = [StepItem(d, [int(torch.argmax(d.logits))], decode=True), StepItem(o, other[at % 60 : at % 60 + 7]),
+                         *items]
+            r.step(items)
+            at += c
+        return st
+
+    one = run([150])
+    for chunks, company in (([1, 149], False), ([64, 64, 22], False), ([37, 113], True), ([5] * 30, True)):
+        st = run(chunks, company)
+        assert torch.equal(st.kv[..., :150, :], one.kv[..., :150, :]), chunks
+        assert torch.equal(st.logits, one.logits), chunks
+    for ways in (1, 2, 3):  # the layer calls on any number of threads
+        kv = torch.zeros_like(one.kv)
+        rows = native_decode.prefill_start(dec, plan, torch.tensor(ids), [Segment(0, 150, kv)])
+        assert rows is not None
+        for layer in range(dec.arch.num_layers):
+            native_decode.prefill_layer(plan, rows, layer, ways)
+        assert torch.equal(kv[..., :150, :], one.kv[..., :150, :])
+        assert torch.equal(native_decode.rows_logits(plan, rows.h[-1:], ways)[0], one.logits)
+
+
+def test_native_prefill_computes_what_the_tiles_do(tiny, monkeypatch):
+    """The same codes through the tile path (torch ops around the same matmuls, bf16 between them):
+    nearly the same K/V and logits; and the tile path is what runs where decode.c cannot read a KV."""
+    r = _prefill_runner(tiny)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 320, (100,), generator=g).tolist()
+    native_state = _start(r, ids)
+    monkeypatch.setattr(native_decode, "prefill_start", lambda *a, **k: None)
+    tile_state = _start(r, ids)
+    assert not torch.equal(native_state.kv, tile_state.kv)  # the other path ran
+    assert F.cosine_similarity(native_state.logits, tile_state.logits, dim=0) > 0.9999
+    k_native, k_tile = native_state.kv[..., :100, :].float(), tile_state.kv[..., :100, :].float()
+    assert F.cosine_similarity(k_native.flatten(), k_tile.flatten(), dim=0) > 0.9999
