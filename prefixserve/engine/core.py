@@ -42,6 +42,7 @@ log = logging.getLogger("prefixserve.engine")
 GROW_TOKENS = 256  # output room reserved at admission; the KV grows (doubling) beyond it
 CHUNK_GRAIN = 64  # prompt chunks shrink in steps of this many tokens (the dense tile's rows)
 LONG_CONTEXT_KEYS = 2048  # a chunk deep in a long prompt does at most the attention work of a full one here
+SHARED_GRAIN = 16  # ... and, in a step it shares with other sessions, a quarter of that, down to this many rows
 
 Emit = Callable[[str, Delta], None]
 
@@ -207,11 +208,15 @@ class EngineCore:
         for), then the others in admission order, at least `CHUNK_GRAIN` tokens for the oldest of those
         so a long prompt never starves. A chunk's attention work (rows x keys) stays within what a
         full chunk costs at `LONG_CONTEXT_KEYS` keys: deep into a long prompt its chunks shrink (to one
-        grain at the least), so a step, and whoever waits for it, stays short. Chunking never changes
-        a bit (docs/exactness.md)."""
+        grain at the least), so a step, and whoever waits for it, stays short. In a step shared with
+        decode rows or other prompts, a prompt that cannot finish does a quarter of that work (down to
+        `SHARED_GRAIN` rows): the others' tokens wait for this step, and a short request arriving
+        during a long prefill gets its first token after two short steps. Chunking never changes a bit
+        (docs/exactness.md)."""
         cfg = self.config
         finishing = [s for s in prefilling if s.remaining_prompt() <= cfg.prefill_chunk_tokens]
         longer = [s for s in prefilling if s.remaining_prompt() > cfg.prefill_chunk_tokens]
+        shared = budget < cfg.max_batch_tokens or len(prefilling) > 1  # decode rows, or other prompts
         work = cfg.prefill_chunk_tokens * LONG_CONTEXT_KEYS
         plan: list[tuple[Session, int]] = []
         for s in finishing + longer:
@@ -219,8 +224,9 @@ class EngineCore:
             room = min(cfg.prefill_chunk_tokens, budget - reserve)
             start = s.num_computed
             rows = room
-            while rows > CHUNK_GRAIN and rows * (start + rows) > work:
-                rows -= CHUNK_GRAIN
+            grain, most = (SHARED_GRAIN, work // 4) if shared and s in longer else (CHUNK_GRAIN, work)
+            while rows > grain and rows * (start + rows) > most:
+                rows -= grain
             if rows <= 0:
                 continue
             plan.append((s, rows))

@@ -13,7 +13,7 @@ import torch
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import EngineCore
-from prefixserve.engine.core import CHUNK_GRAIN, LONG_CONTEXT_KEYS
+from prefixserve.engine.core import CHUNK_GRAIN, LONG_CONTEXT_KEYS, SHARED_GRAIN
 from prefixserve.types import Namespace, Request, SamplingParams
 from tests.conftest import load_embedded
 
@@ -47,10 +47,10 @@ def make_core(monkeypatch):
     return core, rec
 
 
-def request(n: int, seed: int) -> Request:
+def request(n: int, seed: int, max_tokens: int = 2) -> Request:
     ids = torch.randint(3, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     return Request(uuid.uuid4().hex, Namespace("smol", "t"), tuple(ids),
-                   SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 def session_of(core: EngineCore, req: Request):
@@ -88,7 +88,7 @@ def test_a_short_prompt_arriving_mid_prefill_finishes_in_the_next_step(monkeypat
     assert s.num_computed == CHUNK  # its first chunk, beside the long prompt's
     core.step()
     assert s.num_computed == 300 and s.output_ids  # done and its first token out
-    assert rec.steps[-1][id(session_of(core, long).state)] >= CHUNK_GRAIN
+    assert rec.steps[-1][id(session_of(core, long).state)] >= SHARED_GRAIN
 
 
 def test_short_prompts_filling_the_budget_never_starve_the_long_one(monkeypatch):
@@ -100,5 +100,34 @@ def test_short_prompts_filling_the_budget_never_starve_the_long_one(monkeypatch)
         core.add(request(200, 10 + k))
     before = session_of(core, long).num_computed
     core.step()
-    assert session_of(core, long).num_computed - before >= CHUNK_GRAIN
+    assert session_of(core, long).num_computed - before >= SHARED_GRAIN
     assert sum(rec.steps[-1].values()) <= 2 * CHUNK
+
+
+def test_a_long_prompt_sharing_steps_with_a_decoder_takes_a_quarter_of_the_work(monkeypatch):
+    """While another session decodes, each step's long-prompt chunk does at most a quarter of the
+    attention work of a lone one (so the decoder's tokens, and a newcomer's first, wait less); alone
+    again, it goes back to full chunks."""
+    core, rec = make_core(monkeypatch)
+    long = request(6000, 5)
+    core.add(long)
+    for _ in range(8):
+        core.step()
+    talker = request(20, 6, max_tokens=40)
+    core.add(talker)
+    core.step()  # the short prompt finishes and starts decoding
+    ls = session_of(core, long)
+    shared = []
+    while any(s.request is talker for s in core.running):
+        start = ls.num_computed
+        core.step()
+        shared.append((start, ls.num_computed - start))
+    assert len(shared) >= 30
+    for start, rows in shared:
+        assert rows >= SHARED_GRAIN
+        assert rows == SHARED_GRAIN or rows * (start + rows) <= CHUNK * LONG_CONTEXT_KEYS // 4
+    assert shared[-1][1] < CHUNK_GRAIN  # deep enough that the quarter bites
+    start = ls.num_computed
+    core.step()
+    alone = ls.num_computed - start
+    assert alone >= CHUNK_GRAIN and alone > shared[-1][1]
