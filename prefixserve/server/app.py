@@ -28,6 +28,7 @@ from prefixserve.server.flush import flush_payload, flush_scope
 from prefixserve.server.generation import respond
 from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
+from prefixserve.server.prompt_memo import PromptMemo
 from prefixserve.server.responses import Prepared
 from prefixserve.server.schemas import MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, parse_body
 from prefixserve.server.tracking import RequestTracker
@@ -47,6 +48,7 @@ def create_app(
     record per finished or aborted generation request; None disables usage recording and /v1/usage."""
     keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
     metrics = ServerMetrics(engine)
+    memo = PromptMemo()  # recently encoded prompts, per namespace (server/prompt_memo.py)
     started = int(time.time())
 
     @asynccontextmanager
@@ -112,14 +114,14 @@ def create_app(
         body = parse_body(await read_body(request), CompletionRequest)
         # tokenising a long prompt must not stall every other stream on the event loop
         return await _generate(request, await run_in_threadpool(prepare_completion, body, engine, tenant_id,
-                                                                        server_config.default_max_tokens))
+                                                                        server_config.default_max_tokens, memo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), ChatCompletionRequest)
         return await _generate(request, await run_in_threadpool(prepare_chat, body, engine, tenant_id,
-                                                                        server_config.default_max_tokens))
+                                                                        server_config.default_max_tokens, memo))
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> Any:
@@ -141,6 +143,7 @@ def create_app(
         principal = keys.identify(authorization(request))
         scope = flush_scope(principal, await read_body(request), request.query_params)
         report = await engine.flush_cache(scope)
+        memo.forget(scope)
         logger.info("cache flush (tenant %s, salt %s): %d entries, %d bytes", scope.tenant_id or "*",
                     "*" if scope.cache_salt is None else "given", report.num_entries, report.num_bytes)
         return flush_payload(scope, report)

@@ -19,6 +19,7 @@ from prefixserve.server import params, tools
 from prefixserve.server.completions import check_chars, check_fits, include_usage, prepared
 from prefixserve.server.errors import bad_request
 from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.prompt_memo import PromptMemo, input_digest
 from prefixserve.server.responses import ChatShape, Prepared, new_id
 from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage
 from prefixserve.types import Constraint
@@ -30,10 +31,12 @@ logger = logging.getLogger("prefixserve.server")
 
 
 def prepare_chat(
-    body: ChatCompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS
+    body: ChatCompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    memo: PromptMemo | None = None,
 ) -> Prepared:
     """Validate a chat body for `tenant_id` and render its prompt. Raises APIError(400).
-    `default_max_tokens`: the server's cap for a request that names none (`--default-max-tokens`)."""
+    `default_max_tokens`: the server's cap for a request that names none (`--default-max-tokens`);
+    `memo`: recently rendered prompts, per namespace (server/prompt_memo.py)."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
@@ -50,7 +53,12 @@ def prepare_chat(
         assert tool_list is not None
         constraint = _checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
     messages = render_messages(body.messages)
-    prompt_ids = render_prompt(engine, messages, tool_list)
+    if memo is None:
+        prompt_ids = render_prompt(engine, messages, tool_list)
+    else:
+        ns = params.namespace(engine.model_id, tenant_id, salt)
+        prompt_ids = memo.ids(ns, input_digest("chat", messages, tool_list),
+                              lambda: render_prompt(engine, messages, tool_list))
     check_fits(len(prompt_ids), engine.max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = params.sampling_params(body, max_tokens, default_max_tokens, engine.max_model_len, len(prompt_ids),

@@ -17,9 +17,10 @@ from prefixserve.engine.protocol import EngineClient
 from prefixserve.server import params
 from prefixserve.server.errors import bad_request
 from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.prompt_memo import PromptMemo, input_digest
 from prefixserve.server.responses import CompletionShape, Prepared, Shape, new_id
 from prefixserve.server.schemas import CompletionRequest
-from prefixserve.types import MAX_CHOICES, Request, SamplingParams
+from prefixserve.types import MAX_CHOICES, Namespace, Request, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions (within the server's --default-max-tokens)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit
@@ -27,10 +28,12 @@ MAX_PROMPTS = 16
 
 
 def prepare_completion(
-    body: CompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS
+    body: CompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    memo: PromptMemo | None = None,
 ) -> Prepared:
     """Validate a completions body for `tenant_id`. Raises APIError(400) naming the first bad field.
-    Without max_tokens: OpenAI's 16, within the server's `default_max_tokens`."""
+    Without max_tokens: OpenAI's 16, within the server's `default_max_tokens`. `memo`: recently
+    encoded text prompts, per namespace (server/prompt_memo.py)."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
@@ -46,7 +49,8 @@ def prepare_completion(
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.suffix:
         raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
-    prompts = prompts_token_ids(body.prompt, engine)
+    keyed = None if memo is None else (memo, params.namespace(engine.model_id, tenant_id, salt))
+    prompts = prompts_token_ids(body.prompt, engine, keyed)
     for ids in prompts:
         check_fits(len(ids), engine.max_model_len)
     if len(prompts) > 1 and (best_of > n or body.echo):
@@ -86,24 +90,30 @@ def include_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def prompts_token_ids(prompt: Any, engine: EngineClient) -> list[list[int]]:
+def prompts_token_ids(
+    prompt: Any, engine: EngineClient, memo: tuple[PromptMemo, Namespace] | None = None
+) -> list[list[int]]:
     """str | list[int] | [str, ...] | [list[int], ...] -> one list of token ids per prompt (each non-empty)."""
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [prompt_token_ids(p, engine) for p in prompt]
-    return [prompt_token_ids(prompt, engine)]
+        return [prompt_token_ids(p, engine, memo) for p in prompt]
+    return [prompt_token_ids(prompt, engine, memo)]
 
 
-def prompt_token_ids(prompt: Any, engine: EngineClient) -> list[int]:
+def prompt_token_ids(prompt: Any, engine: EngineClient, memo: tuple[PromptMemo, Namespace] | None = None) -> list[int]:
     """str | list[int] -> token ids (non-empty)."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         check_chars(len(prompt), engine.max_model_len, "prompt")
-        ids = engine.tokenizer.encode(params.check_text(prompt, "prompt"))
+        text = params.check_text(prompt, "prompt")
+        if memo is None:
+            ids = engine.tokenizer.encode(text)
+        else:
+            ids = memo[0].ids(memo[1], input_digest("text", text), lambda: engine.tokenizer.encode(text))
         if not ids:
             raise bad_request("prompt encodes to no tokens", "prompt")
         return list(ids)
