@@ -82,8 +82,10 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    prefill_chunk_tokens: int = 256  # long prompts are prefilled in chunks so decoders keep moving
-    max_batch_tokens: int = 512  # token budget of one engine step (decode rows + prefill chunks)
+    # long prompts are prefilled in chunks so decoders keep moving, and one step's rows bounded so a
+    # newcomer's first token waits for a short step (docs/architecture.md, "Scheduling")
+    prefill_chunk_tokens: int = 128
+    max_batch_tokens: int = 256  # token budget of one engine step (decode rows + prefill chunks)
     max_num_seqs: int = 64  # sessions running at once; the rest wait
     offer_finished_turns: bool = True  # cache prompt + reply so the next chat turn hits
     max_queued_requests: int = 256  # requests waiting for admission; past it new ones get 429
