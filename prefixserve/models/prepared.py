@@ -118,11 +118,9 @@ def load(cache_dir: str, parts: Mapping[str, str], tiles: TilePlan) -> tuple[Dec
         with ThreadPoolExecutor(2, thread_name_prefix="prefixserve-load") as pool:
             tok_f = pool.submit(load_tokenizer_folder, os.path.join(entry, "tokenizer"), manifest["extra_eos_ids"])
             digest_f = pool.submit(file_identity, payload)
-            try:
-                tensors = torch.load(payload, map_location=parts["device"], weights_only=True)
-            finally:
-                digest = digest_f.result()
-                tokenizer = tok_f.result()
+            tensors = torch.load(payload, map_location=parts["device"], weights_only=True)
+            digest = digest_f.result()
+            tokenizer = tok_f.result()
         if digest != manifest["payload_blake2b"]:
             raise ValueError("tensors.pt does not match its digest")
         arch = ArchConfig(**manifest["arch"])

@@ -46,8 +46,6 @@ class PromptMemo:
         self._entries: OrderedDict[tuple[Namespace, bytes], array] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
     def ids(self, ns: Namespace, digest: bytes | None, encode: Callable[[], list[int]]) -> list[int]:
         """The token ids of the input `digest` names in `ns`: remembered, or `encode()`d (its
@@ -59,9 +57,7 @@ class PromptMemo:
             held = self._entries.get(key)
             if held is not None:
                 self._entries.move_to_end(key)
-                self.hits += 1
                 return held.tolist()
-            self.misses += 1
         ids = encode()
         if MIN_TOKENS <= len(ids) <= self.max_tokens:
             with self._lock:
