@@ -31,11 +31,11 @@ MIN_TOKENS = 256  # shorter prompts encode in well under a millisecond: not wort
 def input_digest(kind: str, *parts: Any) -> bytes | None:
     """A digest of an encoder input: `kind` ("chat", "text") and its JSON parts, in their own order;
     None when a part is not plain JSON (then the input is encoded every time)."""
-    try:
-        text = json.dumps([kind, *parts], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:  # (a lone surrogate fails the encode: a ValueError too)
+        data = json.dumps([kind, *parts], ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError):
         return None
-    return hashlib.blake2b(text.encode(), digest_size=20).digest()
+    return hashlib.blake2b(data, digest_size=20).digest()
 
 
 class PromptMemo:

@@ -48,6 +48,7 @@ def test_inputs_differing_in_key_order_kind_or_tools_are_different() -> None:
     assert len(digests) == 4
     assert input_digest("chat", [{"content": float("nan")}], None) is None  # not plain JSON: never kept
     assert input_digest("chat", [{"content": object()}], None) is None
+    assert input_digest("text", "a \ud800 lone surrogate") is None
 
 
 def test_short_prompts_and_failures_are_not_kept() -> None:
