@@ -28,6 +28,9 @@ class ModelConfig:
     # same weights as prefill; auto = int4 where available
     decode_kernel: str = "auto"
     cache_dir: str | None = None  # the prepared-model cache (models/prepared.py); None = prepare at every start
+    # run the start-up self-test even where a pass is recorded for this machine and build
+    # (runner/selftest_memo.py); without a cache_dir it always runs
+    fresh_self_test: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

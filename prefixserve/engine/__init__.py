@@ -65,7 +65,7 @@ def _build_core(
     from prefixserve.models import load_model, resolve_device, resolve_dtype
     from prefixserve.models.threads import KERNEL_THREADS
     from prefixserve.runner import ModelRunner
-    from prefixserve.runner.selftest import self_test
+    from prefixserve.runner.selftest_memo import remembered_self_test
 
     torch.set_num_threads(model_config.num_threads or default_num_threads())
     KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())
@@ -73,16 +73,23 @@ def _build_core(
     dtype = resolve_dtype(model_config.dtype)
     loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel,
                         cache_dir=model_config.cache_dir)
+    memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")
+
+    def self_test(runner: ModelRunner, identity: str | None) -> Any:
+        return remembered_self_test(runner, memo, identity, fresh=model_config.fresh_self_test)
+
     runner = ModelRunner(loaded.decoder)
-    result = self_test(runner)
+    result = self_test(runner, loaded.identity)
     if not result.ok and model_config.dtype == "auto" and dtype != torch.float32:
         # --dtype auto takes the fastest mode that is exact here: bf16 failed, so try fp32
         log.warning("self-test (%.1fs): %s; trying fp32", result.seconds, result.detail)
         dtype = torch.float32
         loaded = load_model(model_config.path, dtype, device, decode_kernel="dense", cache_dir=model_config.cache_dir)
         runner = ModelRunner(loaded.decoder)
-        result = self_test(runner)
-    (log.info if result.ok else log.error)("self-test (%.1fs): %s", result.seconds, result.detail)
+        result = self_test(runner, loaded.identity)
+    (log.info if result.ok else log.error)("self-test (%.1fs%s): %s", result.seconds,
+                                           f", remembered: {result.remembered}" if result.remembered else "",
+                                           result.detail)
     disk = shared = None
     if cache_config.max_bytes > 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
         from prefixserve import __version__

@@ -132,6 +132,12 @@ def library() -> ctypes.CDLL | None:
         return lib
 
 
+def build_name() -> str:
+    """The loaded kernels' file name (a digest of source, flags, compiler and CPU flags), or "none"."""
+    lib = library()
+    return os.path.basename(lib._name) if lib is not None else "none"
+
+
 def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor, ways: int = 1) -> int:
     """out[:, :N] = x @ W.T for a weight in qmatmul.c's layout (packed: uint8 [N / 4, K / 32, bytes],
     kind 0 Q4, 1 Q8); x: [n, K] fp32 with contiguous rows, out: [n, >= N] fp32. The outputs are split

@@ -41,6 +41,9 @@ class SelfTestResult:
     decode_kernel: str  # "int4" or "dense"
     detail: str  # what was chosen and why, for logs and /health
     seconds: float
+    # where the verdict is a recorded one (runner/selftest_memo.py): when and how long the test that
+    # gave it ran; not part of `detail`, which (with responses' system_fingerprint) stays the same
+    remembered: str = ""
 
 
 def self_test(runner: ModelRunner) -> SelfTestResult:

@@ -84,6 +84,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "model_cache_dir": ("PREFIXSERVE_MODEL_CACHE_DIR", str, None),  # None = models.prepared.default_cache_dir
     "no_model_cache": ("PREFIXSERVE_NO_MODEL_CACHE", _flag, False),
+    "fresh_self_test": ("PREFIXSERVE_FRESH_SELF_TEST", _flag, False),
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
     "pricing": ("PREFIXSERVE_PRICING", str, None),
     "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
@@ -162,20 +163,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "~/.cache/prefixserve/models)")
     a("--no-model-cache", action="store_true", default=None,
       help="prepare the model from its file at every start (PREFIXSERVE_NO_MODEL_CACHE=1)")
-    a(
-        "--ledger-path",
-        metavar="PATH",
-        help="usage ledger (PREFIXSERVE_LEDGER_PATH; default <data-dir>/usage.sqlite3)",
-    )
+    a("--fresh-self-test", action="store_true", default=None,
+      help="run the start-up self-test even where the model cache records a pass for this machine, build and "
+           "model (PREFIXSERVE_FRESH_SELF_TEST=1; docs/architecture.md, \"Start-up\")")
+    a("--ledger-path", metavar="PATH", help="usage ledger (PREFIXSERVE_LEDGER_PATH; default <data-dir>/usage.sqlite3)")
     a("--pricing", metavar="FILE", help="pricing TOML for the usage API (PREFIXSERVE_PRICING)")
     a("--price", action="append", dest="prices", metavar="MODEL=IN,CACHED,OUT",
       help="USD per million tokens for MODEL ('*' = any), overriding --pricing; repeatable")
     a("--no-ledger", action="store_true", default=None, help="do not record usage (PREFIXSERVE_NO_LEDGER=1)")
-    a(
-        "--log-level",
-        choices=("debug", "info", "warning", "error"),
-        help="(PREFIXSERVE_LOG_LEVEL; default info)",
-    )
+    a("--log-level", choices=("debug", "info", "warning", "error"), help="(PREFIXSERVE_LOG_LEVEL; default info)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -201,6 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
             num_threads=s["num_threads"],
             decode_threads=s["decode_threads"],
             cache_dir=None if s["no_model_cache"] else (s["model_cache_dir"] or default_model_cache_dir(env)),
+            fresh_self_test=s["fresh_self_test"],
         )
         data_dir = Path(s["data_dir"] or default_data_dir(env))
         cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),
