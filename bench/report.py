@@ -188,14 +188,15 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
     rows.extend(_long_rows(ours, peer, plan))
     rows.append(
         Row(
-            "Start-up, second start: launch to serving /v1/models",
+            "Start-up, second start: launch to serving /v1/models (median of 3)",
             "s",
             _startup(ours),
             None,
             _startup(peer),
             None,
             target=("<=", 5.0),
-            note="target: ours <= 5 s; each server was started once and stopped before (first start: ours "
+            note="target: ours <= 5 s; the median of three second starts (ours "
+                 f"{_starts(ours)} s, peer {_starts(peer)} s); each server was started once and stopped before (first start: ours "
                  f"{_fmt(_startup(ours, 'first_'))} s, peer {_fmt(_startup(peer, 'first_'))} s): ours then loads the model "
                  "from its prepared-model cache and its built kernels (docs/architecture.md, \"Start-up\")",
             target_on="ours",
@@ -303,6 +304,12 @@ def _rss(raw: Raw | None, which: str = "peak") -> float | None:
     if raw is None:
         return None
     return round(raw[f"{which}_rss_bytes"] / 2**20, 1)
+
+
+def _starts(raw: Raw | None) -> str:
+    if raw is None or not raw.get("second_starts_s"):
+        return "-"
+    return " / ".join(f"{t:.1f}" for t in raw["second_starts_s"])
 
 
 def _startup(raw: Raw | None, which: str = "") -> float | None:

@@ -144,7 +144,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.05)  # start-up is a measured row: poll finely
         raise TimeoutError(f"{self.name} not ready after {self.ready_timeout_s:.0f}s:\n{self.log_tail()}")
 
     def _group_rss_bytes(self) -> int:
