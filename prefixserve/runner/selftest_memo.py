@@ -123,8 +123,11 @@ def _recall(path: str, parts: dict[str, str]) -> dict[str, Any] | None:
         if record.get("fingerprint") != parts:
             return None
         outcome = record["outcome"]
-        TilePlan(*outcome["tiles"])  # validates
-        if not isinstance(outcome["allowed"], list) or not isinstance(outcome["detail"], str):
+        rows = outcome["tiles"]
+        if not (isinstance(rows, list) and len(rows) == 2 and all(type(r) is int and r >= 1 for r in rows)
+                and type(outcome["dropped_int4"]) is bool and isinstance(outcome["detail"], str)
+                and isinstance(outcome["allowed"], list) and all(isinstance(k, str) for k in outcome["allowed"])
+                and isinstance(record["seconds"], (int, float)) and isinstance(record["created"], str)):
             return None
         return record  # type: ignore[no-any-return]
     except (OSError, ValueError, KeyError, TypeError):

@@ -85,7 +85,10 @@ def test_a_pass_is_remembered_and_gives_the_same_bits(tmp_path: Path, runs: list
     assert selftest_memo.remembered_self_test(r3, str(tmp_path), m3.identity, fresh=True).ok and len(runs) == 2
 
     # a record that does not parse, or whose fingerprint is not the one asked for, is not trusted
-    for damage in ("{not json", json.dumps({**json.loads(record.read_text()), "fingerprint": {"model": "x"}})):
+    good = json.loads(record.read_text())
+    for damage in ("{not json", json.dumps({**good, "fingerprint": {"model": "x"}}),
+                   json.dumps({**good, "outcome": {**good["outcome"], "tiles": [0, 16]}}),
+                   json.dumps({**good, "outcome": {k: v for k, v in good["outcome"].items() if k != "dropped_int4"}})):
         record.write_text(damage)
         m4, r4 = _load()
         before = len(runs)
