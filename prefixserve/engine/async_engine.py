@@ -54,6 +54,14 @@ class AsyncEngine:
         self._selftest_detail = selftest_detail
         self._model_source = model_source  # the weights' path (fingerprinted), "" when not known
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # requests in the inbox, not yet taken into the core (between two steps): they wait in the
+        # engine as much as the core's queue does, for /health, /metrics and the queue bound
+        self._queued = 0
+        self._queued_lock = threading.Lock()
+        # the most requests the engine held at once (running + waiting), since start: taken at each
+        # submission, the only moment the count grows; under the lock a drained request is counted
+        # exactly once (the core's queue or the inbox)
+        self._peak = 0
         self._wake = threading.Event()
         self._streams = Streams()
         self._accepting = True
@@ -80,10 +88,13 @@ class AsyncEngine:
         if not self._accepting:
             raise Unavailable("the server is shutting down")
         limit = self.core.config.max_queued_requests
-        if self.core.num_waiting() + self._inbox.qsize() >= limit:
+        if self._num_waiting() >= limit:
             raise Overloaded(f"too many requests are waiting ({limit}); retry shortly", retry_after_s=2)
         rid = request.request_id
         q = self._streams.open(rid)
+        with self._queued_lock:
+            self._queued += 1
+            self._peak = max(self._peak, self.core.num_running() + self._num_waiting())
         self._submit("add", request)
         finished = False  # every choice finished, or the request failed
         num_left = request.num_choices
@@ -142,7 +153,7 @@ class AsyncEngine:
             detail=self._selftest_detail + (f"; last failed step: {self._last_failure}" if self._last_failure else "")
             + (f"; ENGINE STOPPED: {self._dead}" if self._dead else ""),
             num_running=self.core.num_running(),
-            num_waiting=self.core.num_waiting(),
+            num_waiting=self._num_waiting(),
             decode_kernel=self.core.runner.decoder.decode_kernel,
             fingerprint=self.fingerprint(),
             dtype=str(self.core.runner.decoder.dtype).removeprefix("torch."),
@@ -192,6 +203,7 @@ class AsyncEngine:
             "engine_completion_tokens": float(c.num_completion_tokens),
             "engine_running": float(self.core.num_running()),
             "engine_waiting": float(self.core.num_waiting()),
+            "engine_peak_requests": float(self._peak),  # most requests running + waiting at once since start
             "engine_exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
             "engine_reserved_session_bytes": float(self.core._reserved_bytes),
             "engine_max_session_bytes": float(self.core.config.max_session_bytes),
@@ -227,6 +239,10 @@ class AsyncEngine:
             await asyncio.to_thread(self.core.shared.close, 30.0)
 
     # ---- engine thread ------------------------------------------------------------------------
+
+    def _num_waiting(self) -> int:
+        """Requests waiting for a session: the core's queue and those not yet taken from the inbox."""
+        return self.core.num_waiting() + self._queued
 
     def _submit(self, kind: str, arg: Any) -> None:
         self._inbox.put((kind, arg))
@@ -299,7 +315,11 @@ class AsyncEngine:
                 return
             if kind == "add":
                 try:
-                    self.core.add(arg)
+                    with self._queued_lock:
+                        try:
+                            self.core.add(arg)
+                        finally:
+                            self._queued -= 1
                 except Exception as e:  # this request only: it cannot be queued
                     log.exception("could not queue request %s", arg.request_id)
                     self._emit(arg.request_id, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,

@@ -6,7 +6,7 @@ long system prompt so that prefix hits, boundary inserts and evictions (the 64 M
 a few such prompts) all happen under concurrency. /metrics is sampled every 250 ms throughout.
 
 Holds: zero errors; every response carries usage with 0 <= cached_tokens <= prompt_tokens; the
-cache's bytes never exceed its budget; the engine held all 32 at once; the server's own counters
+cache's bytes never exceed its budget; the engine held all 32 at once (its own high-water mark); the server's own counters
 agree with what the clients received (requests, prompt, cached and completion tokens: nothing lost,
 nothing invented); the server's RSS after the run is within 10% of its level after the warm-up.
 The warm-up repeats the same load until the RSS settles (the allocator keeps freed session memory
@@ -139,7 +139,11 @@ def test_32_concurrent_streams_hold_every_bound(main: Target) -> None:
         return m1.get(name, 0.0) - m0.get(name, 0.0)
 
     got = load.results
-    peak = max(
+    # the engine's own high-water mark of requests running + waiting (taken at every submission):
+    # the 250 ms samples below see it only by chance (a request between two of a client's, or in
+    # the HTTP layer, is in neither), and came out at 23-31 of 32 on the 2-core Ice Lake
+    peak = m1["prefixserve_engine_engine_peak_requests"]
+    sampled = max(
         s["prefixserve_num_requests_running"] + s["prefixserve_num_requests_waiting"] for s in load.samples
     )
     max_bytes = max(s["prefixserve_cache_bytes"] for s in load.samples)
@@ -152,7 +156,7 @@ def test_32_concurrent_streams_hold_every_bound(main: Target) -> None:
           f"{warm_s:.0f} s, {sum(len(p.results) for p in warm)} requests): "
           f"{len(got)} requests, 0 errors, {num_completion / load.seconds:.1f} generated tok/s, cached "
           f"{num_cached}/{num_prompt} prompt tokens, TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, peak {peak:.0f} in "
-          f"the engine, cache max {max_bytes / 2**20:.1f} MiB of {MAIN_CACHE_BYTES / 2**20:.0f} "
+          f"the engine ({sampled:.0f} in a 250 ms sample), cache max {max_bytes / 2**20:.1f} MiB of {MAIN_CACHE_BYTES / 2**20:.0f} "
           f"({delta('prefixserve_engine_cache_evictions'):.0f} evictions), RSS warm {warm_rss / 2**20:.0f} MiB -> "
           f"after {rss / 2**20:.0f} MiB")  # fmt: skip
     assert peak >= NUM_CLIENTS
