@@ -65,6 +65,7 @@ def _build_core(
     from prefixserve.models import load_model, resolve_device, resolve_dtype
     from prefixserve.models.threads import KERNEL_THREADS
     from prefixserve.runner import ModelRunner
+    from prefixserve.runner.selftest import SelfTestResult
     from prefixserve.runner.selftest_memo import remembered_self_test
 
     torch.set_num_threads(model_config.num_threads or default_num_threads())
@@ -75,7 +76,7 @@ def _build_core(
                         cache_dir=model_config.cache_dir)
     memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")
 
-    def self_test(runner: ModelRunner, identity: str | None) -> Any:
+    def self_test(runner: ModelRunner, identity: str | None) -> SelfTestResult:
         return remembered_self_test(runner, memo, identity, fresh=model_config.fresh_self_test)
 
     runner = ModelRunner(loaded.decoder)

@@ -40,15 +40,25 @@ _tried = False
 _digest: str | None = None
 
 
-def _cpu_flags() -> str:
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "flags", ...); {} where unreadable."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return ""
+    return fields
+
+
+def _cpu_flags() -> str:
+    return cpu_info().get("flags", "")
 
 
 def build_dir() -> str:

@@ -52,21 +52,11 @@ _CODE_DIRS = ("models", "runner")  # every kernel and formulation the test calls
 
 
 def _cpu() -> str:
-    """The CPU's model name and flags (the first processor's), as /proc/cpuinfo gives them."""
-    keep: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family", "model", "model name", "stepping", "flags") and key not in keep:
-                    keep[key] = value.strip()
-                if not line.strip() and keep:
-                    break
-    except OSError:
-        pass
+    """The CPU's identity and flags (the first processor's, as /proc/cpuinfo gives them)."""
     import platform
 
+    info = native.cpu_info()
+    keep = {k: info[k] for k in ("vendor_id", "cpu family", "model", "model name", "stepping", "flags") if k in info}
     keep["machine"] = platform.machine()
     return json.dumps(keep, sort_keys=True)
 
