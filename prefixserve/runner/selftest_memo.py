@@ -56,7 +56,7 @@ def _cpu() -> str:
     import platform
 
     info = native.cpu_info()
-    keep = {k: info[k] for k in ("vendor_id", "cpu family", "model", "model name", "stepping", "flags") if k in info}
+    keep: dict[str, str] = {k: info[k] for k in ("vendor_id", "cpu family", "model", "model name", "stepping", "flags") if k in info}
     keep["machine"] = platform.machine()
     return json.dumps(keep, sort_keys=True)
 
