@@ -1,24 +1,30 @@
 /* Causal attention whose every output row is computed in one fixed order (docs/exactness.md).
  *
  * Built on the machine that runs it by models/native.py (cc -O3 -march=native -ffp-contract=off)
- * and called through ctypes by models/layers.py `attention`.
+ * and called through ctypes by models/layers.py `attention` and by decode.c's prefill.
  *
- * Query row i of a call sits at absolute position p = start + i and attends keys 0..p. For each
- * (row, head) the kernel computes, always the same way:
+ * Query row i of a call sits at absolute position p = start + i and attends keys 0..p, which the
+ * kernel takes in stretches of SB keys at fixed absolute positions: [0, SB), [SB, 2 SB), ..., the
+ * last one ending at p. For each (row, head) it computes, always the same way:
  *   scores  s_j = sum_d (q_d * scale) k_jd         d = 0, 1, ..., head_dim - 1, one fused chain
- *   max     m = max_j s_j                          exact, whatever the order
+ *   then stretch by stretch, in order:
+ *   max     m = max(m, max_j s_j over the stretch)  exact, whatever the order (m starts at -inf)
+ *   rescale where m grew (not on the first stretch): c = exp(m_before - m), den and both out
+ *           chains multiplied by c
  *   weights e_j = exp(s_j - m)                      v_exp below, 16 keys at a time
- *   den     16 lanes, lane l adds e_j for j = l, l + 16, ... in order; then a fixed tree
- *   out_d   two chains, over even and over odd j, in order; added; divided by den
+ *   den     16 lanes, lane l adds e_j for j = l, l + 16, ... in order
+ *   out_d   two chains, over even and over odd j, in order
+ *   finally out_d = (even + odd) / (den's 16 lanes by a fixed tree)
  * Nothing in it depends on how many rows the call has, which rows share it, where the call
  * starts, the KV capacity or anything past key p -- so a row prefilled in one chunk, in another,
  * alone, in a batch, or as a decoded token gets the same bits.
  *
  * Only the loop order is chosen for speed: a pass takes up to GP pairs of one kv head and walks the
- * keys in stretches of SB, scoring every pair of the pass against a stretch while its staged K is in
- * cache, then (after each pair's max and exp) adding every pair's P.V over a stretch while its V is
- * in cache. Over 8,000 keys the staged K and V (2 MiB each) stream from memory once a pass instead
- * of once per 8 pairs: 64 rows over 8,000 keys, one layer, one thread (Ice Lake) 50-70 -> 21 ms.
+ * stretches once: it stages the stretch's K (transposed) and V as fp32 (256 KiB at hd 64, in L2),
+ * scores every pair of the pass against it, weighs each pair's scores, then adds every pair's P.V
+ * over it. Nothing of a pass outgrows the L2 however long the context: the earlier design, one
+ * softmax over all of a row's keys, kept every pair's scores (3 MiB for 96 pairs over 8,000 keys)
+ * and the staged K and V of the whole context (4 MiB), and went to memory for them.
  *
  * K and V: [kv_heads][capacity][head_dim], bf16 or fp32 (a session's cache, as the runner keeps
  * it); head_dim a multiple of 16 (models/layers.py falls back to its torch formulation otherwise).
@@ -28,8 +34,9 @@
 
 enum { PB = 8 };    /* (row, head) pairs scored together: independent chains sharing each key load */
 enum { PV_MAX = 3 };  /* pairs with the same keys (one row's query heads) sharing each value load */
-enum { GP = 96 };   /* pairs of one kv head in a pass (their scores held together) */
-enum { SB = 512 };  /* keys a pass takes at a time: their fp32 K (then V) stays in cache, 128 KiB at hd 64 */
+enum { GP = 192 };  /* pairs of one kv head in a pass (their scores over a stretch held together, 384 KiB) */
+enum { SB = 512 };  /* keys of a stretch: part of every row's arithmetic (where the max may be rescaled) */
+enum { VB = 64 };   /* keys of a P.V slice */
 
 #if defined(__AVX512F__)
 /* r[i][j] -> r[j][i] for a 16 x 16 fp32 tile (pure data movement) */
@@ -60,19 +67,19 @@ static inline void transpose16(__m512 r[16]) {
 }
 #endif
 
-/* Keys of one kv head transposed per 16-key block, fp32: kt[b][d][lane] = k[16b + lane][d]
- * (zero past `keys`); bf16 values converted to fp32 [keys][head_dim] (fp32 values are used where
- * they are). Conversions from bf16 are exact. */
-static void stage(const void *k, const void *v, int bf16, int64_t keys, int hd, float *kt, float *vf) {
-    int64_t nblk = (keys + 15) / 16;
+/* Keys [lo, hi) of one kv head, staged for a stretch: kt[b][d][lane] = k[lo + 16b + lane][d] (zero
+ * past hi, fp32), and (bf16 only) vf[j - lo][d] = v[j][d] as fp32. Conversions from bf16 are exact. */
+static void stage(const void *k, const void *v, int bf16, int64_t lo, int64_t hi, int hd, float *kt, float *vf) {
+    int64_t nblk = (hi - lo + 15) / 16;
     for (int64_t b = 0; b < nblk; b++) {
         float *dst = kt + b * hd * 16;
+        int64_t j0 = lo + b * 16;
 #if defined(__AVX512F__)
-        if (b * 16 + 16 <= keys) {  /* a full block: 16 x 16 tiles through registers */
+        if (j0 + 16 <= hi) {  /* a full block: 16 x 16 tiles through registers */
             for (int d = 0; d < hd; d += 16) {
                 __m512 r[16];
                 for (int lane = 0; lane < 16; lane++) {
-                    int64_t j = b * 16 + lane;
+                    int64_t j = j0 + lane;
                     r[lane] = bf16 ? v_load_bf16((const uint16_t *)k + j * hd + d) : V_LOAD((const float *)k + j * hd + d);
                 }
                 transpose16(r);
@@ -82,8 +89,8 @@ static void stage(const void *k, const void *v, int bf16, int64_t keys, int hd, 
         }
 #endif
         for (int lane = 0; lane < 16; lane++) {
-            int64_t j = b * 16 + lane;
-            if (j >= keys) {
+            int64_t j = j0 + lane;
+            if (j >= hi) {
                 for (int d = 0; d < hd; d++) dst[d * 16 + lane] = 0.0f;
             } else if (bf16) {
                 const uint16_t *src = (const uint16_t *)k + j * hd;
@@ -99,7 +106,7 @@ static void stage(const void *k, const void *v, int bf16, int64_t keys, int hd, 
         }
     }
     if (bf16)
-        for (int64_t i = 0; i < keys * hd; i += 16) V_STORE(vf + i, v_load_bf16((const uint16_t *)v + i));
+        for (int64_t i = 0; i < (hi - lo) * hd; i += 16) V_STORE(vf + i, v_load_bf16((const uint16_t *)v + lo * hd + i));
 }
 
 /* The pairs of one kv head in a pass: qs[i] its scaled query (hd floats), last[i] its last key (its
@@ -110,149 +117,178 @@ typedef struct {
     float *out[GP];
 } Pass;
 
-/* Scores of pairs [p0, p0 + np) (np <= PB) over keys [lo, hi) (16-aligned): each pair's chain over d
- * for each 16-key block; blocks past a pair's last key are computed with the others and never read. */
-static void score_blocks(const Pass *ps, int p0, int np, int64_t lo, int64_t hi, const float *kt, int hd,
-                         float *s, int64_t stride) {
-    int64_t top = 0;
-    for (int i = 0; i < np; i++) top = ps->last[p0 + i] > top ? ps->last[p0 + i] : top;
-    top = (top / 16 + 1) * 16;
-    if (hi > top) hi = top;
+/* Scores of pairs [p0, p0 + np) (np <= PB) over the stretch's 16-key blocks [b, b + nb) (nb <= 3;
+ * kt as `stage` left it): each pair's chain over d for each block, each query value loaded once for
+ * all the blocks. s: a pair's scores at s + pair * SB. */
+static inline __attribute__((always_inline)) void score_tile(int nb, const Pass *ps, int p0, int np, int64_t b,
+                                                             const float *kt, int hd, float *s) {
     const float *q[PB];
     for (int i = 0; i < PB; i++) q[i] = ps->qs[p0 + (i < np ? i : 0)];
-    int64_t b = lo;
-    for (; b + 48 <= hi; b += 48) {  /* three key blocks at a time: each query value loaded once for all */
-        const float *kb = kt + b * hd;
-        vec a0[PB], a1[PB], a2[PB];
-        for (int i = 0; i < PB; i++) a0[i] = a1[i] = a2[i] = V_ZERO();
-        for (int d = 0; d < hd; d++) {
-            vec k0 = V_LOAD(kb + d * 16), k1 = V_LOAD(kb + hd * 16 + d * 16), k2 = V_LOAD(kb + 2 * hd * 16 + d * 16);
-            for (int i = 0; i < PB; i++) {
-                vec qd = V_SET1(q[i][d]);
-                a0[i] = V_FMA(qd, k0, a0[i]);
-                a1[i] = V_FMA(qd, k1, a1[i]);
-                a2[i] = V_FMA(qd, k2, a2[i]);
-            }
-        }
-        for (int i = 0; i < np; i++) {
-            float *si = s + (int64_t)(p0 + i) * stride + b;
-            V_STORE(si, a0[i]);
-            V_STORE(si + 16, a1[i]);
-            V_STORE(si + 32, a2[i]);
+    const float *kb = kt + b * hd;
+    vec a[3][PB];
+    for (int t = 0; t < nb; t++)
+        for (int i = 0; i < PB; i++) a[t][i] = V_ZERO();
+    for (int d = 0; d < hd; d++) {
+        vec kd[3];
+        for (int t = 0; t < nb; t++) kd[t] = V_LOAD(kb + t * hd * 16 + d * 16);
+        for (int i = 0; i < PB; i++) {
+            vec qd = V_SET1(q[i][d]);
+            for (int t = 0; t < nb; t++) a[t][i] = V_FMA(qd, kd[t], a[t][i]);
         }
     }
-    for (; b + 16 <= hi; b += 16) {
-        const float *kb = kt + b * hd;
-        vec acc[PB];
-        for (int i = 0; i < PB; i++) acc[i] = V_ZERO();
-        for (int d = 0; d < hd; d++) {
-            vec kd = V_LOAD(kb + d * 16);
-            for (int i = 0; i < PB; i++) acc[i] = V_FMA(V_SET1(q[i][d]), kd, acc[i]);
-        }
-        for (int i = 0; i < np; i++) V_STORE(s + (int64_t)(p0 + i) * stride + b, acc[i]);
-    }
+    for (int i = 0; i < np; i++)
+        for (int t = 0; t < nb; t++) V_STORE(s + (int64_t)(p0 + i) * SB + b + 16 * t, a[t][i]);
 }
 
-/* A pair's weights in place of its scores (exact max, exp); returns their sum (16 lanes, then hsum). */
-static float softmax_row(float *si, int64_t last) {
-    int64_t n = last + 1, nb = last / 16 + 1;
-    for (int64_t j = n; j < nb * 16; j++) si[j] = -INFINITY;
+/* Scores of pairs [first, np) over the stretch [lo, lo + cnt): three key blocks (12 KiB of K at hd 64,
+ * kept in L1) against every group of PB pairs in turn; a group stops at its last key's block, blocks
+ * past a pair's own last key are computed with the others and never read. */
+static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t cnt, const float *kt, int hd,
+                          float *s) {
+    int64_t blocks = (cnt + 15) / 16;
+    for (int64_t b = 0; b < blocks; b += 3)
+        for (int p0 = first; p0 < np; p0 += PB) {
+            int g = np - p0 < PB ? np - p0 : PB;
+            int64_t top = (ps->last[p0 + g - 1] - lo) / 16 + 1;  /* blocks this group needs (last grows with i) */
+            int64_t nb = (top < blocks ? top : blocks) - b;
+            if (nb <= 0) continue;
+            if (nb >= 3) score_tile(3, ps, p0, g, b * 16, kt, hd, s);
+            else if (nb == 2) score_tile(2, ps, p0, g, b * 16, kt, hd, s);
+            else score_tile(1, ps, p0, g, b * 16, kt, hd, s);
+        }
+}
+
+/* A pair's weights over a stretch's first `cnt` keys in place of its scores si (the rest of the
+ * last 16-key block masked), with its running max m, den and out chains acc (2 x hd) carried on. */
+static void weigh(float *si, int64_t cnt, float *m, vec *den, float *acc, int hd) {
+    int64_t nb = (cnt + 15) / 16;
+    for (int64_t j = cnt; j < nb * 16; j++) si[j] = -INFINITY;
     vec mv = V_SET1(-INFINITY);
     for (int64_t b = 0; b < nb; b++) mv = V_MAX(mv, V_LOAD(si + b * 16));
-    vec m = V_SET1(v_hmax(mv));
-    vec den = V_ZERO();
+    float mx = v_hmax(mv);
+    if (mx > *m) {
+        if (*m != -INFINITY) {  /* c = 1 where the max held: nothing to do; and nothing to scale yet */
+            vec c = v_exp(V_SET1(*m - mx));
+            *den = V_MUL(*den, c);
+            for (int d = 0; d < 2 * hd; d += 16) V_STORE(acc + d, V_MUL(V_LOAD(acc + d), c));
+        }
+        *m = mx;
+    }
+    vec mm = V_SET1(*m), dn = *den;
     for (int64_t b = 0; b < nb; b++) {
-        vec e = v_exp(V_SUB(V_LOAD(si + b * 16), m));
+        vec e = v_exp(V_SUB(V_LOAD(si + b * 16), mm));
         V_STORE(si + b * 16, e);
-        den = V_ADD(den, e);
+        dn = V_ADD(dn, e);
     }
-    return hsum(den);
+    *den = dn;
 }
 
-/* P.V of R pairs that share their last key (the query heads of one row) over keys [lo, min(hi, n))
- * (lo even), sharing each value load: every pair's two chains, over even and over odd keys, go on
- * from its `acc` (2 x hd floats) in key order -- so splitting the keys at even points, or grouping
- * the pairs differently, changes nothing. */
-static inline __attribute__((always_inline)) void pv_keys(int R, const float *const *si, int64_t n, int64_t lo,
-                                                          int64_t hi, const float *vf, int hd, float *const *acc) {
-    if (hi > n) hi = n;
-    for (int d0 = 0; d0 < hd; d0 += 64) {
-        int w = hd - d0 < 64 ? (hd - d0) / 16 : 4;
-        vec a0[PV_MAX][4], a1[PV_MAX][4];
-        for (int r = 0; r < R; r++)
-            for (int t = 0; t < 4; t++) {
-                a0[r][t] = t < w ? V_LOAD(acc[r] + d0 + 16 * t) : V_ZERO();
-                a1[r][t] = t < w ? V_LOAD(acc[r] + hd + d0 + 16 * t) : V_ZERO();
-            }
-        int64_t j = lo;
-        for (; j + 1 < hi; j += 2) {
-            const float *v0 = vf + j * hd + d0, *v1 = v0 + hd;
-            for (int t = 0; t < 4; t++)
-                if (t < w) {
-                    vec x0 = V_LOAD(v0 + 16 * t), x1 = V_LOAD(v1 + 16 * t);
-                    for (int r = 0; r < R; r++) {
-                        a0[r][t] = V_FMA(V_SET1(si[r][j]), x0, a0[r][t]);
-                        a1[r][t] = V_FMA(V_SET1(si[r][j + 1]), x1, a1[r][t]);
-                    }
-                }
+/* P.V of R pairs that share their last key (the query heads of one row) over a stretch's keys
+ * [j0, j1) (j0 even; si: their weights, vf: the stretch's values), sharing each value load: every
+ * pair's two chains, over even and over odd keys (a stretch starts at an even key), go on from its
+ * `acc` (2 x hd floats) in key order -- so splitting the keys at even points, or grouping the pairs
+ * differently, changes nothing. */
+static inline __attribute__((always_inline)) void pv_keys(int R, int W, const float *const *si, int64_t j0,
+                                                          int64_t j1, const float *vf, int hd, int d0,
+                                                          float *const *acc) {
+    vec a0[PV_MAX][4], a1[PV_MAX][4];  /* W (a constant in each copy) x 16 of the outputs from d0 */
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < W; t++) {
+            a0[r][t] = V_LOAD(acc[r] + d0 + 16 * t);
+            a1[r][t] = V_LOAD(acc[r] + hd + d0 + 16 * t);
         }
-        if (j < hi) {  /* the last key of an odd count: only where hi == n */
-            const float *v0 = vf + j * hd + d0;
-            for (int t = 0; t < 4; t++)
-                if (t < w) {
-                    vec x0 = V_LOAD(v0 + 16 * t);
-                    for (int r = 0; r < R; r++) a0[r][t] = V_FMA(V_SET1(si[r][j]), x0, a0[r][t]);
-                }
-        }
-        for (int r = 0; r < R; r++)
-            for (int t = 0; t < w; t++) {
-                V_STORE(acc[r] + d0 + 16 * t, a0[r][t]);
-                V_STORE(acc[r] + hd + d0 + 16 * t, a1[r][t]);
+    int64_t j = j0;
+    for (; j + 1 < j1; j += 2) {
+        const float *v0 = vf + j * hd + d0, *v1 = v0 + hd;
+        for (int t = 0; t < W; t++) {
+            vec x0 = V_LOAD(v0 + 16 * t), x1 = V_LOAD(v1 + 16 * t);
+            for (int r = 0; r < R; r++) {
+                a0[r][t] = V_FMA(V_SET1(si[r][j]), x0, a0[r][t]);
+                a1[r][t] = V_FMA(V_SET1(si[r][j + 1]), x1, a1[r][t]);
             }
+        }
     }
+    if (j < j1) {  /* the last key of an odd count: only at a pair's last key */
+        const float *v0 = vf + j * hd + d0;
+        for (int t = 0; t < W; t++) {
+            vec x0 = V_LOAD(v0 + 16 * t);
+            for (int r = 0; r < R; r++) a0[r][t] = V_FMA(V_SET1(si[r][j]), x0, a0[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < W; t++) {
+            V_STORE(acc[r] + d0 + 16 * t, a0[r][t]);
+            V_STORE(acc[r] + hd + d0 + 16 * t, a1[r][t]);
+        }
 }
 
-static void pv_group(int R, const float *const *si, int64_t n, int64_t lo, int64_t hi, const float *vf, int hd,
+/* every output of R pairs, 64 at a time (each count and width its own unrolled copy; the arithmetic
+ * per output is the same) */
+static void pv_group(int R, const float *const *si, int64_t j0, int64_t j1, const float *vf, int hd,
                      float *const *acc) {
-    switch (R) {  /* each count its own unrolled copy; the arithmetic per pair is the same */
-    case 1: pv_keys(1, si, n, lo, hi, vf, hd, acc); break;
-    case 2: pv_keys(2, si, n, lo, hi, vf, hd, acc); break;
-    default: pv_keys(3, si, n, lo, hi, vf, hd, acc); break;
+#define PV_W(RR)                                                                                \
+    for (int d0 = 0; d0 < hd; d0 += 64) {                                                      \
+        int w = hd - d0 < 64 ? (hd - d0) / 16 : 4;                                             \
+        if (w == 4) pv_keys(RR, 4, si, j0, j1, vf, hd, d0, acc);                                \
+        else if (w == 3) pv_keys(RR, 3, si, j0, j1, vf, hd, d0, acc);                           \
+        else if (w == 2) pv_keys(RR, 2, si, j0, j1, vf, hd, d0, acc);                           \
+        else pv_keys(RR, 1, si, j0, j1, vf, hd, d0, acc);                                       \
     }
+    switch (R) {
+    case 1: PV_W(1) break;
+    case 2: PV_W(2) break;
+    default: PV_W(3) break;
+    }
+#undef PV_W
 }
 
-/* One pass: up to GP pairs of the same kv head. The keys go by in stretches of SB, each stretch's K
- * (then V) used by every pair of the pass while it is in cache; each pair's arithmetic is the fixed
- * order of the header whatever the stretch boundaries (multiples of 16, so of 2).
- * s: GP rows of `stride` floats; acc: GP x 2 x hd floats. */
-static void pass(const Pass *ps, int np, const float *kt, const float *vf, int hd, float *s, int64_t stride,
-                 float *acc) {
+/* Scratch of one call: a stretch's staged K and V, and a pass's scores and running state. */
+typedef struct {
+    float *kt, *vf, *s, *acc, *m;
+    vec *den;
+} Scratch;
+
+/* One pass: up to GP pairs of the same kv head, stretch by stretch (k, v: this kv head's keys). */
+static void pass(const Pass *ps, int np, const void *k, const void *v, int bf16, int hd, Scratch *w) {
     int64_t top = 0;
-    for (int i = 0; i < np; i++) top = ps->last[i] > top ? ps->last[i] : top;
-    for (int64_t lo = 0; lo <= top; lo += SB)
-        for (int p0 = 0; p0 < np; p0 += PB)
-            score_blocks(ps, p0, np - p0 < PB ? np - p0 : PB, lo, lo + SB, kt, hd, s, stride);
-    float den[GP];
-    for (int i = 0; i < np; i++) den[i] = softmax_row(s + (int64_t)i * stride, ps->last[i]);
-    for (int64_t i = 0; i < (int64_t)np * 2 * hd; i++) acc[i] = 0.0f;
-    for (int64_t lo = 0; lo <= top; lo += SB)
-        for (int i = 0; i < np;) {
-            int R = 1;
-            while (R < PV_MAX && i + R < np && ps->last[i + R] == ps->last[i]) R++;
-            if (ps->last[i] >= lo) {
-                const float *si[PV_MAX];
-                float *ai[PV_MAX];
-                for (int r = 0; r < R; r++) {
-                    si[r] = s + (int64_t)(i + r) * stride;
-                    ai[r] = acc + (int64_t)(i + r) * 2 * hd;
-                }
-                pv_group(R, si, ps->last[i] + 1, lo, lo + SB, vf, hd, ai);
-            }
-            i += R;
-        }
     for (int i = 0; i < np; i++) {
-        vec dv = V_SET1(den[i]);
-        const float *a = acc + (int64_t)i * 2 * hd;
+        top = ps->last[i] > top ? ps->last[i] : top;
+        w->m[i] = -INFINITY;
+        w->den[i] = V_ZERO();
+    }
+    for (int64_t i = 0; i < (int64_t)np * 2 * hd; i++) w->acc[i] = 0.0f;
+    for (int64_t lo = 0; lo <= top; lo += SB) {
+        int64_t hi = lo + SB < top + 1 ? lo + SB : top + 1;
+        stage(k, v, bf16, lo, hi, hd, w->kt, w->vf);
+        const float *vals = bf16 ? w->vf : (const float *)v + lo * hd;
+        int first = 0;  /* pairs go by position: those that ended before this stretch lead */
+        while (first < np && ps->last[first] < lo) first++;
+        score_stretch(ps, first, np, lo, hi - lo, w->kt, hd, w->s);
+        for (int i = first; i < np; i++) {
+            int64_t cnt = (ps->last[i] + 1 < hi ? ps->last[i] + 1 : hi) - lo;
+            weigh(w->s + (int64_t)i * SB, cnt, &w->m[i], &w->den[i], w->acc + (int64_t)i * 2 * hd, hd);
+        }
+        /* P.V in slices of VB keys (16 KiB of V at hd 64, kept in L1) against every group of pairs */
+        for (int64_t j0 = 0; j0 < hi - lo; j0 += VB)
+            for (int i = first; i < np;) {
+                int R = 1;
+                while (R < PV_MAX && i + R < np && ps->last[i + R] == ps->last[i]) R++;
+                int64_t cnt = (ps->last[i] + 1 < hi ? ps->last[i] + 1 : hi) - lo;
+                if (cnt > j0) {
+                    const float *si[PV_MAX];
+                    float *ai[PV_MAX];
+                    for (int r = 0; r < R; r++) {
+                        si[r] = w->s + (int64_t)(i + r) * SB;
+                        ai[r] = w->acc + (int64_t)(i + r) * 2 * hd;
+                    }
+                    pv_group(R, si, j0, j0 + VB < cnt ? j0 + VB : cnt, vals, hd, ai);
+                }
+                i += R;
+            }
+    }
+    for (int i = 0; i < np; i++) {
+        vec dv = V_SET1(hsum(w->den[i]));
+        const float *a = w->acc + (int64_t)i * 2 * hd;
         for (int d = 0; d < hd; d += 16) V_STORE(ps->out[i] + d, V_DIV(V_ADD(V_LOAD(a + d), V_LOAD(a + hd + d)), dv));
     }
 }
@@ -261,24 +297,24 @@ static void pass(const Pass *ps, int np, const float *kt, const float *vf, int h
  * [>= start + n][hd]; out: [n][heads * hd] fp32. Returns 0, or -1 when out of memory. */
 int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads, int hd, const void *k,
               const void *v, int64_t kv_stride, int bf16, float scale, float *out) {
-    int64_t keys = start + n, nblk = (keys + 15) / 16;
     int rep = heads / kv_heads;
     size_t esz = bf16 ? 2 : 4;
-    float *kt = aligned_alloc(64, (size_t)(nblk * 16 * hd) * sizeof(float));
-    float *vf = aligned_alloc(64, (size_t)(nblk * 16 * hd) * sizeof(float));
+    Scratch w;
+    w.kt = aligned_alloc(64, (size_t)(SB * hd) * sizeof(float));
+    w.vf = aligned_alloc(64, (size_t)(SB * hd) * sizeof(float));
+    w.s = aligned_alloc(64, (size_t)(GP * SB) * sizeof(float));
+    w.acc = aligned_alloc(64, (size_t)(GP * 2 * hd) * sizeof(float));
+    w.m = aligned_alloc(64, GP * sizeof(float));
+    w.den = aligned_alloc(64, GP * sizeof(vec));
     float *qs = aligned_alloc(64, (size_t)(n * heads * hd) * sizeof(float) + 64);
-    float *s = aligned_alloc(64, (size_t)(GP * nblk * 16) * sizeof(float));
-    float *acc = aligned_alloc(64, (size_t)(GP * 2 * hd) * sizeof(float));
     Pass *ps = malloc(sizeof(Pass));
-    if (!kt || !vf || !qs || !s || !acc || !ps) {
-        free(kt), free(vf), free(qs), free(s), free(acc), free(ps);
+    if (!w.kt || !w.vf || !w.s || !w.acc || !w.m || !w.den || !qs || !ps) {
+        free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(qs), free(ps);
         return -1;
     }
     for (int64_t i = 0; i < n * heads * hd; i++) qs[i] = q[i] * scale;
     for (int g = 0; g < kv_heads; g++) {
-        const void *vg = (const char *)v + (size_t)g * kv_stride * esz;
-        stage((const char *)k + (size_t)g * kv_stride * esz, vg, bf16, keys, hd, kt, vf);
-        const float *vals = bf16 ? vf : (const float *)vg;
+        const void *kg = (const char *)k + (size_t)g * kv_stride * esz, *vg = (const char *)v + (size_t)g * kv_stride * esz;
         int np = 0;
         for (int64_t i = 0; i < n; i++)
             for (int r = 0; r < rep; r++) {
@@ -287,12 +323,12 @@ int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads,
                 ps->last[np] = start + i;
                 ps->out[np] = out + i * heads * hd + h * hd;
                 if (++np == GP) {
-                    pass(ps, np, kt, vals, hd, s, nblk * 16, acc);
+                    pass(ps, np, kg, vg, bf16, hd, &w);
                     np = 0;
                 }
             }
-        if (np) pass(ps, np, kt, vals, hd, s, nblk * 16, acc);
+        if (np) pass(ps, np, kg, vg, bf16, hd, &w);
     }
-    free(kt), free(vf), free(qs), free(s), free(acc), free(ps);
+    free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(qs), free(ps);
     return 0;
 }

@@ -55,7 +55,7 @@ def test_attention_is_attention(dtype, heads, kv_heads, hd):
 def test_a_rows_bits_depend_on_its_own_query_and_keys_only(dtype):
     """Alone, in chunks that start anywhere, beside any neighbours, with any capacity and any garbage
     past its last key: the same bits. 1,100 keys span three of the kernel's 512-key stretches, and a
-    full call's 3,300 (row, head) pairs per kv head many of its 96-pair passes."""
+    full call's 3,300 (row, head) pairs per kv head many of its 192-pair passes."""
     heads, kv_heads, hd, keys = 9, 3, 64, 1100
     kv = cache(kv_heads, keys, hd, dtype, capacity=1152)
     q = torch.randn(keys, heads, hd, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -74,6 +74,25 @@ def test_a_rows_bits_depend_on_its_own_query_and_keys_only(dtype):
     q2 = q.clone()
     q2[101] = -q2[101]
     assert torch.equal(native.attention(q2[90:120], kv[0], kv[1], 90)[100 - 90], full[100])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_max_that_grows_stretch_after_stretch_is_rescaled_exactly_enough(dtype):
+    """The softmax goes stretch by stretch (512 keys): where a later stretch holds a larger score, the
+    weights and sums so far are rescaled. Keys that grow along the context move the max in every
+    stretch, by up to ~60 in the exponent; the result is still softmax attention (float64 reference),
+    and still a row's own: in chunks, alone, or beside other rows."""
+    heads, kv_heads, hd, keys = 4, 2, 32, 1700
+    kv = cache(kv_heads, keys, hd, torch.float32, capacity=1728)
+    q = torch.randn(keys, heads, hd, generator=torch.Generator().manual_seed(4)).abs()
+    kv[0, :, :keys] = kv[0, :, :keys].abs() * torch.linspace(0.2, 3.0, keys).view(1, keys, 1)
+    kv, q = kv.to(dtype), q.to(dtype)
+    full = native.attention(q, kv[0], kv[1], 0)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    want = reference(q, kv[0], kv[1], 0)
+    assert (full.double() - want).abs().max().item() < tol
+    for lo, hi in ((0, 700), (500, 1030), (1023, 1025), (1536, 1700)):
+        assert torch.equal(native.attention(q[lo:hi], kv[0], kv[1], lo), full[lo:hi])
 
 
 def test_bad_caches_are_refused():
