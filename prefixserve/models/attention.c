@@ -248,6 +248,9 @@ typedef struct {
     vec *den;
 } Scratch;
 
+/* keys of the stretch [lo, hi) that a pair whose last key is `last` (>= lo) attends */
+static inline int64_t keys_in(int64_t last, int64_t lo, int64_t hi) { return (last + 1 < hi ? last + 1 : hi) - lo; }
+
 /* One pass: up to GP pairs of the same kv head, stretch by stretch (k, v: this kv head's keys). */
 static void pass(const Pass *ps, int np, const void *k, const void *v, int bf16, int hd, Scratch *w) {
     int64_t top = 0;
@@ -264,16 +267,15 @@ static void pass(const Pass *ps, int np, const void *k, const void *v, int bf16,
         int first = 0;  /* pairs go by position: those that ended before this stretch lead */
         while (first < np && ps->last[first] < lo) first++;
         score_stretch(ps, first, np, lo, hi - lo, w->kt, hd, w->s);
-        for (int i = first; i < np; i++) {
-            int64_t cnt = (ps->last[i] + 1 < hi ? ps->last[i] + 1 : hi) - lo;
-            weigh(w->s + (int64_t)i * SB, cnt, &w->m[i], &w->den[i], w->acc + (int64_t)i * 2 * hd, hd);
-        }
+        for (int i = first; i < np; i++)
+            weigh(w->s + (int64_t)i * SB, keys_in(ps->last[i], lo, hi), &w->m[i], &w->den[i],
+                  w->acc + (int64_t)i * 2 * hd, hd);
         /* P.V in slices of VB keys (16 KiB of V at hd 64, kept in L1) against every group of pairs */
         for (int64_t j0 = 0; j0 < hi - lo; j0 += VB)
             for (int i = first; i < np;) {
                 int R = 1;
                 while (R < PV_MAX && i + R < np && ps->last[i + R] == ps->last[i]) R++;
-                int64_t cnt = (ps->last[i] + 1 < hi ? ps->last[i] + 1 : hi) - lo;
+                int64_t cnt = keys_in(ps->last[i], lo, hi);
                 if (cnt > j0) {
                     const float *si[PV_MAX];
                     float *ai[PV_MAX];

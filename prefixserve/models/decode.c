@@ -215,27 +215,6 @@ static inline vec silu(vec g) {
 #endif
 }
 
-/* 16 vectors -> one: lane j = hsum(t[j]), by the same tree as hsum (w = 8, 4, 2, 1), so the same bits */
-static inline vec reduce16(vec t[16]) {
-#if defined(__AVX512F__)
-    vec c[8], d[4], f[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = V_ADD(_mm512_shuffle_f32x4(t[i], t[i + 8], 0x44), _mm512_shuffle_f32x4(t[i], t[i + 8], 0xEE));
-    for (int i = 0; i < 4; i++)
-        d[i] = V_ADD(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88), _mm512_shuffle_f32x4(c[i], c[i + 4], 0xDD));
-    for (int i = 0; i < 2; i++)
-        f[i] = V_ADD(_mm512_shuffle_ps(d[i], d[i + 2], 0x44), _mm512_shuffle_ps(d[i], d[i + 2], 0xEE));
-    vec r = V_ADD(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
-    /* r's lane L holds key 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15: back in order */
-    const __m512i order = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
-    return _mm512_permutexvar_ps(order, r);
-#else
-    vec r;
-    for (int j = 0; j < 16; j++) r.f[j] = hsum(t[j]);
-    return r;
-#endif
-}
-
 enum { KEY_CHUNK = 64, MAXREP = 8, KV_DESC = 5 };  /* keys per scoring task; query heads per kv head scored together */
 
 /* scores of the rep query heads q[rep][hd] (scaled) against keys [j0, j1) (j0, j1 multiples of 16)
@@ -258,7 +237,7 @@ static void score(const float *q, int rep, int hd, const uint16_t *k, int64_t ca
                     t[h][jj] = a;
                 }
             }
-            for (int h = 0; h < nh; h++) V_STORE(s + (h0 + h) * stride + b, reduce16(t[h]));
+            for (int h = 0; h < nh; h++) V_STORE(s + (h0 + h) * stride + b, hsum16(t[h]));
         }
     }
 }

@@ -17,10 +17,9 @@
  *   Q8: t_g = fma(c_hi, x_hi, c_lo * x_lo) per group (16 lanes; c the codes), acc = fma(t_g,
  *       scale_g, acc) over the groups in order; y = hsum(acc)
  * hsum: a fixed tree over the 16 lanes (simd.h); a block of rows takes its 16 sums together by the
- * same tree (`hsum_block`, AVX-512: 45 vector ops instead of 16 scalar trees' 128, ~10% of a 4-bit
- * prefill matmul at K = 576). Nothing depends on how many rows or which outputs
- * a call has, or on the output range a thread was given: a row's bits are its own, whatever the
- * batch and however the outputs are split.
+ * same tree (`hsum_block`: simd.h `hsum16`, ~10% of a 4-bit prefill matmul at K = 576). Nothing
+ * depends on how many rows or which outputs a call has, or on the output range a thread was given:
+ * a row's bits are its own, whatever the batch and however the outputs are split.
  */
 #include "simd.h"
 
@@ -28,30 +27,20 @@ enum { OB = 4 };  /* outputs computed together (independent chains sharing each 
 
 enum { Q4_BYTES = 96, Q8_BYTES = 144, PREFETCH = 3072 /* bytes ahead in a block's stream */ };
 
-#if defined(__AVX512F__)
-/* The 16 sums of a block of R rows x OB outputs at once, each by hsum's very tree (t[i] + t[i + 8],
- * then + 4, + 2, + 1, the lower lane first): slot s of v holds (row, output) as below, so that the
- * result's 128-bit lane r is row r's OB outputs in order. */
+/* The R x OB sums of a block at once (simd.h `hsum16`: the same bits as one hsum each) */
 static inline __attribute__((always_inline)) void hsum_block(int R, vec acc[4][OB], float *out, int64_t ldo) {
-    static const int slot_row[16] = {0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3};
-    static const int slot_col[16] = {0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3};
-    vec v[16], t[8], u[4], w[2];
-    for (int k = 0; k < 16; k++) v[k] = slot_row[k] < R ? acc[slot_row[k]][slot_col[k]] : V_ZERO();
-    for (int k = 0; k < 8; k++)
-        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 8], 0x44), _mm512_shuffle_f32x4(v[k], v[k + 8], 0xEE));
-    for (int k = 0; k < 4; k++)
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[k], t[k + 4], 0x88), _mm512_shuffle_f32x4(t[k], t[k + 4], 0xDD));
-    for (int k = 0; k < 2; k++)
-        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[k], u[k + 2], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(u[k], u[k + 2], _MM_SHUFFLE(3, 2, 3, 2)));
-    vec f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    if (R > 0) _mm_storeu_ps(out, _mm512_extractf32x4_ps(f, 0));
-    if (R > 1) _mm_storeu_ps(out + ldo, _mm512_extractf32x4_ps(f, 1));
-    if (R > 2) _mm_storeu_ps(out + 2 * ldo, _mm512_extractf32x4_ps(f, 2));
-    if (R > 3) _mm_storeu_ps(out + 3 * ldo, _mm512_extractf32x4_ps(f, 3));
-}
+    vec t[16];
+    for (int k = 0; k < 16; k++) t[k] = k / OB < R ? acc[k / OB][k % OB] : V_ZERO();
+    vec y = hsum16(t);  /* lane OB r + j: row r, output j */
+#if defined(__AVX512F__)
+    if (R > 0) _mm_storeu_ps(out, _mm512_extractf32x4_ps(y, 0));
+    if (R > 1) _mm_storeu_ps(out + ldo, _mm512_extractf32x4_ps(y, 1));
+    if (R > 2) _mm_storeu_ps(out + 2 * ldo, _mm512_extractf32x4_ps(y, 2));
+    if (R > 3) _mm_storeu_ps(out + 3 * ldo, _mm512_extractf32x4_ps(y, 3));
+#else
+    for (int r = 0; r < R; r++) memcpy(out + r * ldo, y.f + OB * r, OB * sizeof(float));
 #endif
+}
 
 static inline __attribute__((always_inline)) void block(int R, int q8, const float *x, int64_t ldx, int64_t K,
                                                         const uint8_t *q, float *out, int64_t ldo) {
@@ -97,12 +86,10 @@ static inline __attribute__((always_inline)) void block(int R, int q8, const flo
             }
         }
     }
-#if defined(__AVX512F__)
     if (R >= 2) {  /* one row: its four sums alone are cheaper */
         hsum_block(R, acc, out, ldo);
         return;
     }
-#endif
     for (int r = 0; r < R; r++)
         for (int j = 0; j < OB; j++) out[r * ldo + j] = hsum(acc[r][j]);
 }
@@ -134,12 +121,7 @@ static inline __attribute__((always_inline)) void block_wide(int R, int q8, cons
             }
         }
     }
-#if defined(__AVX512F__)
     hsum_block(R, acc, out, ldo);
-#else
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < OB; j++) out[r * ldo + j] = hsum(acc[r][j]);
-#endif
 }
 
 /* one block of OB outputs as fp32 weights wb [groups][OB][32] (codes 0..15, then 16..31) and, for

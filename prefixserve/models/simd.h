@@ -108,4 +108,25 @@ static inline float hsum(vec v) {
     return t[0];
 }
 #endif
+/* 16 vectors -> one: lane j = hsum(t[j]), by hsum's very tree (w = 8, 4, 2, 1, the lower lane
+ * first), so the same bits as 16 hsums; AVX-512: 46 vector ops instead of 16 trees' 128 */
+static inline vec hsum16(const vec t[16]) {
+#if defined(__AVX512F__)
+    vec c[8], d[4], f[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = V_ADD(_mm512_shuffle_f32x4(t[i], t[i + 8], 0x44), _mm512_shuffle_f32x4(t[i], t[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        d[i] = V_ADD(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88), _mm512_shuffle_f32x4(c[i], c[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        f[i] = V_ADD(_mm512_shuffle_ps(d[i], d[i + 2], 0x44), _mm512_shuffle_ps(d[i], d[i + 2], 0xEE));
+    vec r = V_ADD(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+    /* r's lane L holds the sum of t[0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15]: back in order */
+    const __m512i order = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
+    return _mm512_permutexvar_ps(order, r);
+#else
+    vec r;
+    for (int j = 0; j < 16; j++) r.f[j] = hsum(t[j]);
+    return r;
+#endif
+}
 #endif
