@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 
 from prefixserve.engine import default_num_threads, usable_cores
-from prefixserve.models import load_model
+from prefixserve.models import load_model, native
 from prefixserve.models.loader import embedded_model_path
 from prefixserve.models.threads import KERNEL_THREADS
 from prefixserve.runner import ModelRunner, SessionState, StepItem
@@ -110,18 +110,10 @@ def _logits(st: SessionState) -> torch.Tensor:
 
 def cpu_name() -> str:
     """The CPU's model name and the matrix extensions that decide its kernels' bits and speed."""
-    name, flags = "unknown CPU", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "unknown CPU":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line
-    except OSError:
-        pass
-    ext = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in flags]
-    return f"{name} ({', '.join(ext) or 'no AVX'})"
+    info = native.cpu_info()
+    flags = info.get("flags", "").split()
+    ext = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{info.get('model name', 'unknown CPU')} ({', '.join(ext) or 'no AVX'})"
 
 
 def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str], roofline: list[str]) -> dict[str, float]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.models import prepared, quant
+from prefixserve.models import native, prepared, quant
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder
 from prefixserve.models.gguf_loader import GGUFModel
@@ -78,11 +78,7 @@ def _dense_matmul_choice() -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = native.cpu_info().get("flags", "").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
