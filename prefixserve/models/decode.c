@@ -27,6 +27,8 @@
 
 void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
              float *out, int64_t ldo);
+int amx_matmul(const void *x, int x_f32, int64_t M, int64_t ldx, int64_t K, const uint16_t *w, const float *bias,
+               int64_t o0, int64_t o1, void *out, int out_f32, int64_t ldo);
 
 /* ---- a team of threads: the caller is member 0, MAXT - 1 workers at most ---- */
 enum { MAXT = 16, SPINS = 4000 };  /* pauses (~30-140 cycles each) before yielding or sleeping */
@@ -163,6 +165,31 @@ int qmatmul_team(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, co
     return run_team(mm_task, &a, ways);
 }
 
+typedef struct {
+    const uint16_t *x, *w;
+    const float *bias;
+    int64_t M, ldx, K, N, ldo;
+    uint16_t *out;
+    atomic_int failed;
+} amx_args;
+
+static void amx_task(void *p, int t, int T) {
+    amx_args *a = p;
+    int64_t o0, o1;
+    share(a->N, t, T, &o0, &o1);
+    if (amx_matmul(a->x, 0, a->M, a->ldx, a->K, a->w, a->bias, o0, o1, a->out, 0, a->ldo) != 0)
+        atomic_store(&a->failed, 1);
+}
+
+/* amx.c's bf16 matmul (bf16 rows in, bf16 out) of all N outputs on `ways` threads; the count used, or
+ * -1 when it failed */
+int amx_linear_team(const uint16_t *x, int64_t M, int64_t ldx, int64_t K, const uint16_t *w, const float *bias,
+                    int64_t N, uint16_t *out, int64_t ldo, int ways) {
+    amx_args a = {x, w, bias, M, ldx, K, N, ldo, out, 0};
+    int used = run_team(amx_task, &a, ways);
+    return atomic_load(&a.failed) ? -1 : used;
+}
+
 /* ---- row-local pieces ---- */
 static float sumsq(const float *x, int64_t d) {
     vec acc = V_ZERO();
@@ -272,9 +299,21 @@ static void weigh_values(const float *e, int64_t stride, const float *den, int r
 }
 
 /* ---- the step ---- */
-/* a layer's weights: fp32 vectors and qmatmul.c packs; W_KINDS: bit i set when pack i (qkv, o,
- * gate_up, down) is Q8 rather than Q4 */
+/* a layer's weights: fp32 vectors and packs; W_KINDS: bit i set when pack i (qkv, o, gate_up, down)
+ * is a qmatmul.c Q8 pack rather than Q4, bit 4 + i when it is an amx.c bf16 pack (prompt rows on a
+ * CPU with AMX: models/native_decode.py) */
 enum { W_ATTN_NORM, W_MLP_NORM, W_Q_NORM, W_K_NORM, W_QKV_BIAS, W_QKV, W_O, W_GATE_UP, W_DOWN, W_KINDS, W_PER_LAYER };
+
+/* out[:, o0:o1] = x W^T for pack i of layer weights w: qmatmul.c's arithmetic, or amx.c's on the rows
+ * rounded to bf16 (row-local either way); 0, or -1 when amx.c ran out of memory */
+static int matmul(const int64_t *w, int i, const float *x, int64_t n, int64_t ldx, int64_t K, int64_t o0,
+                  int64_t o1, float *out, int64_t ldo) {
+    const uint8_t *pack = (const uint8_t *)w[W_QKV + i];
+    if (w[W_KINDS] >> (4 + i) & 1)
+        return amx_matmul(x, 1, n, ldx, K, (const uint16_t *)pack, NULL, o0, o1, out, 1, ldo) == 0 ? 0 : -1;
+    qmatmul(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
+    return 0;
+}
 
 typedef struct {
     int64_t n, hidden, heads, kv_heads, hd, inter, layers, vocab_pad, head_kind;
@@ -294,6 +333,7 @@ typedef struct {
     float *scores, *den;                     /* [n][heads][stride], [n][heads] */
     int64_t stride;
     barrier_t bar;
+    atomic_int failed; /* amx.c could not have its staging buffer */
 } step_t;
 
 /* h += tmp over the outputs [o0, o1) this member computed */
@@ -346,7 +386,7 @@ static void front(step_t *s, int64_t l, int t, int T, int *local) {
     const float *qn = (const float *)w[W_Q_NORM], *kn = (const float *)w[W_K_NORM], *bias = (const float *)w[W_QKV_BIAS];
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_ATTN_NORM], d, s->eps, x + r * d);
     share(nqkv, t, T, &o0, &o1);
-    qmatmul(x, n, d, d, (int)(w[W_KINDS] & 1), (const uint8_t *)w[W_QKV], o0, o1, s->qkv, nqkv);
+    if (matmul(w, 0, x, n, d, d, o0, o1, s->qkv, nqkv)) atomic_store(&s->failed, 1);
     barrier(&s->bar, local, T);
     for (int64_t task = t; task < n * kvh; task += T) {
         int64_t r = task / kvh, g = task % kvh;
@@ -386,13 +426,14 @@ static void back(step_t *s, int64_t l, int t, int T, int *local) {
     int64_t o0, o1;
     const int64_t *w = s->w + l * W_PER_LAYER;
     share(d, t, T, &o0, &o1);
-    qmatmul(s->attn, n, qs, qs, (int)(w[W_KINDS] >> 1 & 1), (const uint8_t *)w[W_O], o0, o1, s->tmp, d);
+    if (matmul(w, 1, s->attn, n, qs, qs, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
     residual(s, o0, o1);
     barrier(&s->bar, local, T);
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
     share(inter, t, T, &o0, &o1);
-    qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], o0, o1, s->gu, 2 * inter);
-    qmatmul(x, n, d, d, (int)(w[W_KINDS] >> 2 & 1), (const uint8_t *)w[W_GATE_UP], inter + o0, inter + o1, s->gu, 2 * inter);
+    if (matmul(w, 2, x, n, d, d, o0, o1, s->gu, 2 * inter) ||
+        matmul(w, 2, x, n, d, d, inter + o0, inter + o1, s->gu, 2 * inter))
+        atomic_store(&s->failed, 1);
     for (int64_t r = 0; r < n; r++)
         for (int64_t i = o0; i < o1; i += 16) {
             const float *g = s->gu + r * 2 * inter + i;
@@ -400,7 +441,7 @@ static void back(step_t *s, int64_t l, int t, int T, int *local) {
         }
     barrier(&s->bar, local, T);
     share(d, t, T, &o0, &o1);
-    qmatmul(s->act, n, inter, inter, (int)(w[W_KINDS] >> 3 & 1), (const uint8_t *)w[W_DOWN], o0, o1, s->tmp, d);
+    if (matmul(w, 3, s->act, n, inter, inter, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
     residual(s, o0, o1);
     barrier(&s->bar, local, T);
 }
@@ -460,7 +501,7 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
      * created), so every barrier waits for the members that run */
     T = run_team(step_task, &s, T);
     free(buf);
-    return T;
+    return atomic_load(&s.failed) ? -1 : T;
 }
 
 /* ---- prefill rows, a layer per call (models/native_decode.py `prefill_layer`) ----
@@ -551,7 +592,7 @@ int prefill_layer(const int64_t *dims, float eps, float scale, const int64_t *w,
     s->xs = p;
     pf.layer = layer, pf.segs = segs, pf.nseg = nseg;
     T = run_team(prefill_task, &pf, T);
-    return atomic_load(&pf.failed) ? -1 : T;
+    return atomic_load(&pf.failed) || atomic_load(&s->failed) ? -1 : T;
 }
 
 /* the final norm and logits of n rows h [n][hidden] into y [n][vocab_pad] (dims as decode_step's) */

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixserve.models import int4_rows, native, native_decode
+from prefixserve.models import amx_tiles, int4_rows, native, native_decode
 from prefixserve.models.arch import ArchConfig
 from prefixserve.models.layers import (
     RopeTable,
@@ -100,6 +100,7 @@ class Decoder:
         self.native_decode_attention = False
         self.matmul_dtype = self.dtype  # what the dense tiles multiply in (`use_fp32_matmuls`)
         self.prefill_q4 = False  # prefill's matmuls on the 4-bit packs (`use_fp32_matmuls`)
+        self.amx = False  # dense matmuls on AMX tiles (models/amx_tiles.py `attach`)
         self._norms32: dict[int, torch.Tensor] = {}
         self._native_plan: native_decode.DecodePlan | None | bool = False  # False: not made yet
 
@@ -119,6 +120,7 @@ class Decoder:
         kernel, tile plan, matmul precision, attention tiling), for the disk cache tier's file
         fingerprint (docs/cache.md)."""
         mm = "|mm=q4" if self.prefill_q4 else "" if self.matmul_dtype == self.dtype else f"|mm={self.matmul_dtype}"
+        mm += "|mm=amx" if self.amx else ""
         return (f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}{mm}"
                 f"|attn={self.attention_kernel}")
 
@@ -160,6 +162,9 @@ class Decoder:
             how = "prefill one native call a layer" if self.native_decode_plan() is not None else "tiles"
             return f"{self.dtype} model, matmuls on the 4-bit codes ({how})"
         mm = self.matmul_dtype
+        if self.amx:
+            how = "prefill one native call a layer" if self.native_decode_plan() is not None else "tiles"
+            return f"{self.dtype} matmuls on AMX tiles ({how})"
         return f"{self.dtype} matmuls" if mm == self.dtype else f"{self.dtype} model, {mm} matmuls"
 
     @property
@@ -178,6 +183,8 @@ class Decoder:
             self._widen()
         elif self.matmul_dtype != self.dtype:
             self.lm_head = self.lm_head.to(self.matmul_dtype)  # the logits now use the dense lm_head
+        elif self.amx:
+            amx_tiles.pack(self.lm_head)
 
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """token_ids: [sum(num_new)] int64, segments in the same order; see `forward_layers`."""
@@ -222,10 +229,10 @@ class Decoder:
         )
         cos, sin = self.rope.lookup(positions)
         decoded = None  # decode rows' logits from the native decode step (models/native_decode.py)
-        plan = self.native_decode_plan() if nd or self.prefill_q4 else None
+        plan = self.native_decode_plan() if nd or self.prefill_q4 or self.amx else None
         if nd and plan is not None:
             decoded = native_decode.decode_rows(self, plan, token_ids[:nd], segments[:leading])
-        if (self.prefill_q4 and plan is not None and num_rows > nd and (decoded is not None or not nd)
+        if (plan is not None and (self.prefill_q4 or plan.prefill_weights is not None) and num_rows > nd and (decoded is not None or not nd)
                 and (rows := native_decode.prefill_start(self, plan, token_ids[nd:], segments[leading:])) is not None):
             return (yield from native_decode.prefill_layers(self, plan, rows, decoded, segments, nd))
         h = self.embed.new_zeros(total, a.hidden_size)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prefixserve.models import amx_tiles
 from prefixserve.models.threads import KERNEL_THREADS
 
 BLOCK = 32  # keys per attention block, aligned to absolute positions
@@ -78,7 +79,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     multiplied in fp32 and rounded back to bf16, always as two calls, one per half of the outputs
     (cut at `half_rows`), each on torch's one thread; `ways` > 1 runs them at once (KERNEL_THREADS.parallel).
     The calls are the same either way, so the bits are: MKL's sgemm on two threads was not thread-count
-    invariant on a loaded machine (docs/architecture.md, "CPUs without bf16 arithmetic")."""
+    invariant on a loaded machine (docs/architecture.md, "CPUs without bf16 arithmetic"). A weight
+    packed for AMX tiles (models/amx_tiles.py) is multiplied there, row-local at any row count."""
+    if (p := amx_tiles.packed(w)) is not None and x.dtype == w.dtype:
+        return amx_tiles.linear(x, w, p, bias)
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
     xw = x.to(w.dtype)

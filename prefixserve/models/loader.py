@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.models import native, prepared, quant
+from prefixserve.models import amx_tiles, native, prepared, quant
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder
 from prefixserve.models.gguf_loader import GGUFModel
@@ -72,8 +72,8 @@ def fp32_matmuls_wanted(dtype: torch.dtype, device: str) -> bool:
 
 def _dense_matmul_choice() -> str:
     choice = os.environ.get("PREFIXSERVE_DENSE_MATMUL", "auto")
-    if choice not in ("auto", "bf16", "fp32", "q4"):
-        raise ModelLoadError(f"PREFIXSERVE_DENSE_MATMUL must be auto, bf16, fp32 or q4, not {choice!r}")
+    if choice not in ("auto", "amx", "bf16", "fp32", "q4"):
+        raise ModelLoadError(f"PREFIXSERVE_DENSE_MATMUL must be auto, amx, bf16, fp32 or q4, not {choice!r}")
     return choice
 
 
@@ -143,6 +143,9 @@ def _widened(m: LoadedModel) -> LoadedModel:
     `fp32_matmuls_wanted` (after any prepared-model cache has stored the bf16 weights)."""
     if fp32_matmuls_wanted(m.decoder.dtype, m.decoder.device.type):
         m.decoder.use_fp32_matmuls(q4=_dense_matmul_choice() != "fp32")
+    elif _dense_matmul_choice() in ("auto", "amx") and m.decoder.device.type == "cpu":
+        if amx_tiles.attach(m.decoder) == 0 and _dense_matmul_choice() == "amx":
+            raise ModelLoadError("PREFIXSERVE_DENSE_MATMUL=amx needs a bf16 model on a CPU with AMX (and the native kernels)")
     return m
 
 

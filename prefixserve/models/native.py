@@ -1,6 +1,7 @@
 """Native kernels, built on the machine that runs them and called through ctypes: attention.c (causal
-attention of any rows), qmatmul.c (4- and 8-bit GGUF matmuls for decode rows and logits) and
-decode.c (a whole decode step, or a layer of prompt rows, on a team of threads), sharing simd.h.
+attention of any rows), qmatmul.c (4- and 8-bit GGUF matmuls for decode rows and logits), amx.c
+(bf16 matmuls on AMX tiles, where the CPU has them) and decode.c (a whole decode step, or a layer of
+prompt rows, on a team of threads), sharing simd.h.
 
 The first process that needs them compiles the C sources (`cc -O3 -march=native -ffp-contract=off`,
 a few seconds) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
@@ -31,13 +32,14 @@ import torch
 log = logging.getLogger("prefixserve.models")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = tuple(os.path.join(_HERE, name) for name in ("attention.c", "qmatmul.c", "decode.c"))
+_SOURCES = tuple(os.path.join(_HERE, name) for name in ("attention.c", "qmatmul.c", "amx.c", "decode.c"))
 _HEADERS = (os.path.join(_HERE, "simd.h"),)
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _digest: str | None = None
+_amx: bool | None = None
 
 
 def cpu_info() -> dict[str, str]:
@@ -136,6 +138,10 @@ def library() -> ctypes.CDLL | None:
         lib.prefill_layer.restype = ctypes.c_int
         lib.prefill_layer.argtypes = [P, ctypes.c_float, ctypes.c_float, P, I64, P, P, P, P, P, P, I64, P,
                                       ctypes.c_int]
+        lib.amx_ready.restype = ctypes.c_int
+        lib.amx_ready.argtypes = []
+        lib.amx_linear_team.restype = ctypes.c_int
+        lib.amx_linear_team.argtypes = [P, I64, I64, I64, P, P, I64, P, I64, ctypes.c_int]
         lib.rows_logits.restype = ctypes.c_int
         lib.rows_logits.argtypes = [P, ctypes.c_float, P, P, P, P, ctypes.c_int]
         _lib = lib
@@ -162,6 +168,43 @@ def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor,
         raise ValueError(f"qmatmul: shapes x {tuple(x.shape)}, weight {tuple(packed.shape)}, out {tuple(out.shape)}")
     return int(lib.qmatmul_team(x.data_ptr(), n, x.stride(0), k, kind, packed.data_ptr(), rows, out.data_ptr(),
                                 out.stride(0), ways))
+
+
+def amx_ready() -> bool:
+    """Whether amx.c's matmul runs here: built for AMX tiles (the CPU has AMX-BF16) and the kernel
+    granted the process their state (Linux >= 5.16)."""
+    global _amx
+    if _amx is None:
+        lib = library()
+        _amx = lib is not None and bool(lib.amx_ready())
+    return _amx
+
+
+def amx_pack(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (N a multiple of 16, K of 32) in amx.c's tile layout."""
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or n % 16 or k % 32:
+        raise ValueError(f"amx_pack: a bf16 [16 n, 32 k] weight expected, not {w.dtype} {tuple(w.shape)}")
+    return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ways: int = 1) -> torch.Tensor:
+    """bf16(x @ W.T + bias) for W packed by `amx_pack`: x [M, K] bf16 with contiguous rows; bias fp32
+    [N] or None. Each output's bits depend on its own row and weights only (amx.c); the outputs
+    are split between `ways` threads (decode.c's team)."""
+    lib = library()
+    assert lib is not None
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or k != packed.shape[1] * 32:
+        raise ValueError(f"amx_linear: bf16 rows of {packed.shape[1] * 32} expected, not {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError("amx_linear: the bias must be a contiguous fp32 [N]")
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if m and lib.amx_linear_team(x.data_ptr(), m, x.stride(0), k, packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), n, out.data_ptr(), n, ways) < 0:
+        raise MemoryError("amx_linear: out of memory")
+    return out
 
 
 def kernel_name(native: bool) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixserve.models import native
+from prefixserve.models import amx_tiles, native
 from prefixserve.models.quant import Int4Weight
 from prefixserve.models.threads import KERNEL_THREADS
 
@@ -37,6 +37,8 @@ class DecodePlan:
     dims: list[int]  # hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head kind
     weights: torch.Tensor  # int64 [layers, 10]: decode.c's W_* addresses
     keep: list[torch.Tensor]  # the fp32 vectors those addresses point into
+    # prompt rows' weights where they differ from decode rows': the amx.c packs (models/amx_tiles.py)
+    prefill_weights: torch.Tensor | None
     final_norm: torch.Tensor
     head: torch.Tensor
     vocab: int
@@ -85,8 +87,25 @@ def plan_for(dec: Decoder) -> DecodePlan | None:
     dims = [a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.num_layers, head.rows,
             head.native_kind]
     final = dec.final_norm.detach().float().contiguous()
-    return DecodePlan(dims, torch.tensor(rows, dtype=torch.int64), keep, final, head.native, a.vocab_size,
+    weights = torch.tensor(rows, dtype=torch.int64)
+    return DecodePlan(dims, weights, keep, _amx_weights(dec, weights), final, head.native, a.vocab_size,
                       a.rms_eps, a.head_dim**-0.5)
+
+
+def _amx_weights(dec: Decoder, weights: torch.Tensor) -> torch.Tensor | None:
+    """`weights` with every pack an amx.c one (decode.c W_KINDS bits 4-7) where the decoder has them
+    all (`Decoder.amx`), for prompt rows; else None."""
+    if not dec.amx:
+        return None
+    out = weights.clone()
+    for li, lw in enumerate(dec.layers):
+        packs = [amx_tiles.packed(w) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+        if any(p is None for p in packs):
+            return None
+        for i, p in enumerate(packs):
+            out[li, 5 + i] = p.data_ptr()  # type: ignore[union-attr]
+        out[li, 9] = int(out[li, 9]) | 0xF0
+    return out
 
 
 def decode_rows(dec: Decoder, plan: DecodePlan, token_ids: torch.Tensor, segments: list[Segment],
@@ -176,8 +195,9 @@ def prefill_layer(plan: DecodePlan, rows: PrefillRows, layer: int, ways: int | N
     h = rows.h
 
     def call(t: int) -> int:
+        weights = plan.weights if plan.prefill_weights is None else plan.prefill_weights
         rc = lib.prefill_layer(rows.dims.data_ptr(), ctypes.c_float(plan.eps), ctypes.c_float(plan.scale),
-                               plan.weights.data_ptr(), layer, h.data_ptr(), rows.pos.data_ptr(), rows.cos.data_ptr(),
+                               weights.data_ptr(), layer, h.data_ptr(), rows.pos.data_ptr(), rows.cos.data_ptr(),
                                rows.sin.data_ptr(), rows.kv_desc.data_ptr(), rows.segs.data_ptr(), rows.segs.shape[0],
                                rows.scratch.data_ptr(), min(t, KERNEL_THREADS.threads))
         if rc < 0:

@@ -199,7 +199,7 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
         plan = dec.native_decode_plan() if isinstance(dec, Decoder) else None
         if not failed and plan is not None:
             failed = _check_decode_threads(dec, plan, base, many, g)
-        if not failed and plan is not None and getattr(dec, "prefill_q4", False):
+        if not failed and plan is not None and (getattr(dec, "prefill_q4", False) or plan.prefill_weights is not None):
             failed = _check_prefill_threads(dec, plan, base, many, g)
         if failed:
             why.append(failed)

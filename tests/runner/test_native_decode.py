@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.models import native, native_decode
+from prefixserve.models import amx_tiles, native, native_decode
 from prefixserve.models.decoder import Segment
 from prefixserve.models.hf_loader import HFModel
 from prefixserve.models.layers import TilePlan
@@ -163,15 +163,25 @@ def test_roofline_counts_the_native_packs(tiny):
     assert decode_weight_bytes(dec) == sum(w.native.numel() for w in packs)  # type: ignore[union-attr]
 
 
-def _prefill_runner(folder: str) -> ModelRunner:
+def _prefill_runner(folder: str, matmuls: str) -> ModelRunner:
+    """Prompt rows a layer per native call: on the 4-bit codes ("q4", what a CPU without bf16
+    arithmetic runs) or on the bf16 weights' AMX packs ("amx", a CPU with AMX: models/amx_tiles.py)."""
     r = _runner(folder, int4=True)
-    r.decoder.use_fp32_matmuls()  # what a CPU without bf16 arithmetic runs: prefill on the 4-bit codes
-    assert r.decoder.prefill_q4 and r.decoder.native_decode_plan() is not None
+    if matmuls == "q4":
+        r.decoder.use_fp32_matmuls()
+        assert r.decoder.prefill_q4
+    else:
+        if not native.amx_ready():
+            pytest.skip("no AMX tiles on this CPU")
+        assert amx_tiles.attach(r.decoder) == 4 * r.decoder.arch.num_layers  # the logits keep the 4-bit head
+    plan = r.decoder.native_decode_plan()
+    assert plan is not None and (plan.prefill_weights is not None) == (matmuls == "amx")
     return r
 
 
-def test_native_prefill_is_chunk_batch_and_thread_invariant(tiny):
-    r = _prefill_runner(tiny)
+@pytest.mark.parametrize("matmuls", ["q4", "amx"])
+def test_native_prefill_is_chunk_batch_and_thread_invariant(tiny, matmuls):
+    r = _prefill_runner(tiny, matmuls)
     dec = r.decoder
     plan = dec.native_decode_plan()
     assert plan is not None
@@ -206,10 +216,11 @@ def test_native_prefill_is_chunk_batch_and_thread_invariant(tiny):
         assert torch.equal(native_decode.rows_logits(plan, rows.h[-1:], ways)[0], one.logits)
 
 
-def test_native_prefill_computes_what_the_tiles_do(tiny, monkeypatch):
-    """The same codes through the tile path (torch ops around the same matmuls, bf16 between them):
+@pytest.mark.parametrize("matmuls", ["q4", "amx"])
+def test_native_prefill_computes_what_the_tiles_do(tiny, monkeypatch, matmuls):
+    """The same weights through the tile path (torch ops around the same matmuls, bf16 between them):
     nearly the same K/V and logits; and the tile path is what runs where decode.c cannot read a KV."""
-    r = _prefill_runner(tiny)
+    r = _prefill_runner(tiny, matmuls)
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 320, (100,), generator=g).tolist()
     native_state = _start(r, ids)
