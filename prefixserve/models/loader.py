@@ -140,12 +140,13 @@ def load_model(
 
 def _widened(m: LoadedModel) -> LoadedModel:
     """A Llama-family decoder whose prefill multiplies the 4-bit codes or fp32 copies where
-    `fp32_matmuls_wanted` (after any prepared-model cache has stored the bf16 weights)."""
+    `fp32_matmuls_wanted`, else its bf16 weights on AMX tiles where the CPU has them
+    (models/amx_tiles.py); after any prepared-model cache has stored the bf16 weights."""
     if fp32_matmuls_wanted(m.decoder.dtype, m.decoder.device.type):
         m.decoder.use_fp32_matmuls(q4=_dense_matmul_choice() != "fp32")
-    elif _dense_matmul_choice() in ("auto", "amx") and m.decoder.device.type == "cpu":
-        if amx_tiles.attach(m.decoder) == 0 and _dense_matmul_choice() == "amx":
-            raise ModelLoadError("PREFIXSERVE_DENSE_MATMUL=amx needs a bf16 model on a CPU with AMX (and the native kernels)")
+    elif (_dense_matmul_choice() in ("auto", "amx") and m.decoder.device.type == "cpu"
+          and amx_tiles.attach(m.decoder) == 0 and _dense_matmul_choice() == "amx"):
+        raise ModelLoadError("PREFIXSERVE_DENSE_MATMUL=amx needs a bf16 model on a CPU with AMX (and the native kernels)")
     return m
 
 
