@@ -2,7 +2,7 @@
 # Builds the peer: llama.cpp's own C++ `llama-server`, from the llama.cpp sources that ship inside
 # llama-cpp-python's sdist (vendor/llama.cpp; pip fetches it, nothing else needs the internet).
 # cmake + ninja, a few minutes on 2 cores. Not GGML_NATIVE: a native build died with SIGILL at start-up
-# on AMX machines; the AVX-512 paths are enabled when this CPU has them. Reused when it runs.
+# on AMX machines; the AVX-512, VNNI and AMX paths are enabled when this CPU has them. Reused when it runs.
 # Usage: bench/peer.sh [DIR]  ->  DIR/bin/llama-server
 set -euo pipefail
 DIR="${1:-.peer}"
@@ -22,6 +22,11 @@ SRC="$(ls -d "$DIR"/src/llama_cpp_python-*/vendor/llama.cpp)"
 FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 grep -qw avx512f /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512=ON"
 grep -qw avx512_bf16 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512_BF16=ON"
+grep -qw avx512_vnni /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512_VNNI=ON"
+# ggml's AMX kernels (Q4_0 / Q4_1 / Q8_0 weights against int8-quantised activations): the peer at its best
+grep -qw amx_int8 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON"
+grep -qw amx_bf16 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AMX_BF16=ON"
+echo "llama.cpp build flags: $FLAGS" >&2
 # shellcheck disable=SC2086
 cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release $FLAGS -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null

@@ -35,8 +35,15 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* 1 when this process may use the tiles (Linux grants the state on request, once per process) */
-int amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+/* set once this process may use the tiles: attention.c's bf16 path asks before each call */
+int amx_granted;
+
+/* 1 when this process may use the tiles (Linux grants the state on request, once per process);
+ * models/native.py asks as it loads the kernels */
+int amx_ready(void) {
+    if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_granted;
+}
 
 static void configure(void) {
     tile_config c;
@@ -148,6 +155,8 @@ int amx_matmul(const void *x, int x_f32, int64_t M, int64_t ldx, int64_t K, cons
 }
 
 #else
+
+int amx_granted;
 
 int amx_ready(void) { return 0; }
 

@@ -28,6 +28,11 @@
  *
  * K and V: [kv_heads][capacity][head_dim], bf16 or fp32 (a session's cache, as the runner keeps
  * it); head_dim a multiple of 16 (models/layers.py falls back to its torch formulation otherwise).
+ *
+ * On a CPU with AMX (and the tiles granted, amx.c) bf16 K and V with head_dim a multiple of 32 take
+ * `pass_amx`: the same passes, stretches and running max, the scores and P.V on the tiles with the
+ * queries and weights rounded to bf16 (below). Which path runs is fixed for a build and a machine
+ * (models/native.py names it in the kernel's fingerprint), never chosen per call.
  */
 #include "simd.h"
 
@@ -246,6 +251,7 @@ static void pv_group(int R, const float *const *si, int64_t j0, int64_t j1, cons
 typedef struct {
     float *kt, *vf, *s, *acc, *m;
     vec *den;
+    void *pb; /* the tiles' path: a pass's weights in bf16 */
 } Scratch;
 
 /* keys of the stretch [lo, hi) that a pair whose last key is `last` (>= lo) attends */
@@ -295,26 +301,215 @@ static void pass(const Pass *ps, int np, const void *k, const void *v, int bf16,
     }
 }
 
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define ATT_AMX 1
+/* ---- bf16 K and V on AMX tiles (Intel Xeon with AMX-BF16; amx.c grants the tiles) ----
+ * The same passes, stretches and running max as above, with the two products on the tiles:
+ *   scores  s_j = TDPBF16PS over d in 32-dim steps, in order, of bf16(q_d * scale) k_jd (fp32 sums)
+ *   weights e_j = bf16(exp(s_j - m)) (the max and rescale as above); den sums these rounded e_j
+ *   out_d   per stretch, TDPBF16PS over its keys in 32-key steps, in order, of e_j v_jd from zero;
+ *           then added to the pair's carried sum (rescaled where the max grew)
+ *   finally out_d / (den's 16 lanes by the fixed tree)
+ * A C-tile element belongs to one (row, head) pair and one key or output, and keys past a pair's
+ * last weigh exactly 0, so nothing depends on the other pairs of the tile, the call or the KV past p. */
+extern int amx_granted;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static void tiles_on(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Keys [lo, hi) of one kv head (bf16) in the tiles' layouts, zero past hi:
+ * kb: block b of 16 keys, dim step t of 32: a 16 x 16 tile of dim pairs, kb[((b * steps + t) * 16 + i) * 16 + n]
+ *     = the pair (k[lo + 16b + n][32t + 2i], ... + 1) (32 bits each);
+ * vb: key step t of 32, output block e of 16: vb[((t * blocks + e) * 16 + i) * 16 + n] = the pair
+ *     (v[lo + 32t + 2i][16e + n], v[lo + 32t + 2i + 1][16e + n]). */
+static void stage_tiles(const uint16_t *k, const uint16_t *v, int64_t lo, int64_t hi, int hd, uint32_t *kb,
+                        uint32_t *vb) {
+    int steps = hd / 32, blocks = hd / 16;
+    int64_t cnt = hi - lo, nk = (cnt + 31) / 32 * 32;
+    for (int64_t b = 0; b < nk / 16; b++)
+        for (int t = 0; t < steps; t++) {
+            __m512 r[16];
+            for (int n = 0; n < 16; n++) {
+                int64_t j = 16 * b + n;
+                r[n] = j < cnt ? _mm512_loadu_ps((const float *)(k + (lo + j) * hd + 32 * t)) : _mm512_setzero_ps();
+            }
+            transpose16(r);  /* 32-bit words: dim pair i of each key n */
+            for (int i = 0; i < 16; i++) _mm512_store_ps((float *)kb + ((b * steps + t) * 16 + i) * 16, r[i]);
+        }
+    for (int64_t t = 0; t < nk / 32; t++)
+        for (int i = 0; i < 16; i++) {
+            int64_t j = 32 * t + 2 * i;
+            for (int e = 0; e < blocks; e++) {
+                __m512i ev = j < cnt ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + (lo + j) * hd + 16 * e)))
+                                     : _mm512_setzero_si512();
+                __m512i od = j + 1 < cnt ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + (lo + j + 1) * hd + 16 * e)))
+                                         : _mm512_setzero_si512();
+                _mm512_store_si512(vb + ((t * blocks + e) * 16 + i) * 16, _mm512_or_si512(ev, _mm512_slli_epi32(od, 16)));
+            }
+        }
+}
+
+/* weigh's arithmetic with each weight rounded to bf16 (into pb, zero from cnt to the stretch's next
+ * 32-key step) and den summing the rounded weights */
+static void weigh_bf16(float *si, int64_t cnt, int64_t upto, float *m, vec *den, float *acc, int hd, uint16_t *pb) {
+    int64_t nb = (cnt + 15) / 16;
+    for (int64_t j = cnt; j < nb * 16; j++) si[j] = -INFINITY;
+    vec mv = V_SET1(-INFINITY);
+    for (int64_t b = 0; b < nb; b++) mv = V_MAX(mv, V_LOAD(si + b * 16));
+    float mx = v_hmax(mv);
+    if (mx > *m) {
+        if (*m != -INFINITY) {
+            vec c = v_exp(V_SET1(*m - mx));
+            *den = V_MUL(*den, c);
+            for (int d = 0; d < hd; d += 16) V_STORE(acc + d, V_MUL(V_LOAD(acc + d), c));
+        }
+        *m = mx;
+    }
+    vec mm = V_SET1(*m), dn = *den;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256bh e = _mm512_cvtneps_pbh(v_exp(V_SUB(V_LOAD(si + b * 16), mm)));
+        _mm256_storeu_si256((__m256i *)(pb + 16 * b), (__m256i)e);
+        dn = V_ADD(dn, _mm512_cvtpbh_ps(e));
+    }
+    *den = dn;
+    if (upto > nb * 16) memset(pb + nb * 16, 0, (size_t)(upto - nb * 16) * 2);
+}
+
+/* One pass on the tiles (bf16 K and V): qb holds the pass's queries, bf16 and scaled, 16-row padded. */
+static void pass_amx(const Pass *ps, int np, const uint16_t *k, const uint16_t *v, int hd, Scratch *w,
+                     const uint16_t *qb) {
+    int steps = hd / 32, blocks = hd / 16;
+    int64_t top = 0;
+    for (int i = 0; i < np; i++) {
+        top = ps->last[i] > top ? ps->last[i] : top;
+        w->m[i] = -INFINITY;
+        w->den[i] = V_ZERO();
+    }
+    memset(w->acc, 0, (size_t)np * hd * sizeof(float));
+    float sums[16 * 16] __attribute__((aligned(64)));
+    for (int64_t lo = 0; lo <= top; lo += SB) {
+        int64_t hi = lo + SB < top + 1 ? lo + SB : top + 1;
+        stage_tiles(k, v, lo, hi, hd, (uint32_t *)w->kt, (uint32_t *)w->vf);
+        int first = 0;
+        while (first < np && ps->last[first] < lo) first++;
+        for (int p0 = first / 16 * 16; p0 < np; p0 += 16) {
+            int g = np - p0 < 16 ? np - p0 : 16;
+            int64_t need = (keys_in(ps->last[p0 + g - 1], lo, hi) + 15) / 16;  /* key blocks the group reads */
+            for (int64_t b = 0; b < need; b += 4) {  /* scores: up to four 16-key blocks per A tile load */
+                int nb = need - b < 4 ? (int)(need - b) : 4;
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_zero(7);
+                for (int t = 0; t < steps; t++) {
+                    _tile_loadd(0, qb + (int64_t)p0 * hd + 32 * t, hd * 2);
+                    const uint32_t *kb = (const uint32_t *)w->kt + ((b * steps + t) * 16) * 16;
+                    _tile_loadd(1, kb, 64);
+                    _tile_dpbf16ps(4, 0, 1);
+                    if (nb > 1) { _tile_loadd(2, kb + steps * 256, 64); _tile_dpbf16ps(5, 0, 2); }
+                    if (nb > 2) { _tile_loadd(3, kb + 2 * steps * 256, 64); _tile_dpbf16ps(6, 0, 3); }
+                    if (nb > 3) { _tile_loadd(1, kb + 3 * steps * 256, 64); _tile_dpbf16ps(7, 0, 1); }
+                }
+                float *sd = w->s + (int64_t)p0 * SB + 16 * b;
+                _tile_stored(4, sd, SB * 4);
+                if (nb > 1) _tile_stored(5, sd + 16, SB * 4);
+                if (nb > 2) _tile_stored(6, sd + 32, SB * 4);
+                if (nb > 3) _tile_stored(7, sd + 48, SB * 4);
+            }
+        }
+        uint16_t *pb = (uint16_t *)w->pb;
+        for (int i = first; i < np; i++) {
+            int64_t cnt = keys_in(ps->last[i], lo, hi), p0 = i / 16 * 16;
+            int g = np - p0 < 16 ? np - (int)p0 : 16;
+            int64_t upto = (keys_in(ps->last[p0 + g - 1], lo, hi) + 31) / 32 * 32;  /* the group's key steps */
+            weigh_bf16(w->s + (int64_t)i * SB, cnt, upto, &w->m[i], &w->den[i], w->acc + (int64_t)i * hd, hd,
+                       pb + (int64_t)i * SB);
+        }
+        for (int p0 = first / 16 * 16; p0 < np; p0 += 16) {  /* P.V: this stretch's sums from zero */
+            int g = np - p0 < 16 ? np - p0 : 16;
+            int64_t ksteps = (keys_in(ps->last[p0 + g - 1], lo, hi) + 31) / 32;
+            for (int e0 = 0; e0 < blocks; e0 += 4) {
+                int ne = blocks - e0 < 4 ? blocks - e0 : 4;
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_zero(7);
+                for (int64_t t = 0; t < ksteps; t++) {
+                    _tile_loadd(0, pb + (int64_t)p0 * SB + 32 * t, SB * 2);
+                    const uint32_t *vt = (const uint32_t *)w->vf + ((t * blocks + e0) * 16) * 16;
+                    _tile_loadd(1, vt, 64);
+                    _tile_dpbf16ps(4, 0, 1);
+                    if (ne > 1) { _tile_loadd(2, vt + 256, 64); _tile_dpbf16ps(5, 0, 2); }
+                    if (ne > 2) { _tile_loadd(3, vt + 512, 64); _tile_dpbf16ps(6, 0, 3); }
+                    if (ne > 3) { _tile_loadd(1, vt + 768, 64); _tile_dpbf16ps(7, 0, 1); }
+                }
+                for (int e = 0; e < ne; e++) {
+                    if (e == 0) _tile_stored(4, sums, 64);
+                    else if (e == 1) _tile_stored(5, sums, 64);
+                    else if (e == 2) _tile_stored(6, sums, 64);
+                    else _tile_stored(7, sums, 64);
+                    for (int r = 0; r < g; r++) {
+                        if (p0 + r < first) continue;
+                        float *a = w->acc + (int64_t)(p0 + r) * hd + 16 * (e0 + e);
+                        V_STORE(a, V_ADD(V_LOAD(a), _mm512_load_ps(sums + 16 * r)));
+                    }
+                }
+            }
+        }
+    }
+    for (int i = 0; i < np; i++) {
+        vec dv = V_SET1(hsum(w->den[i]));
+        const float *a = w->acc + (int64_t)i * hd;
+        for (int d = 0; d < hd; d += 16) V_STORE(ps->out[i] + d, V_DIV(V_LOAD(a + d), dv));
+    }
+}
+#endif
+
 /* q: [n][heads][hd] fp32 (unscaled); k, v: [kv_heads] blocks `kv_stride` elements apart, each
  * [>= start + n][hd]; out: [n][heads * hd] fp32. Returns 0, or -1 when out of memory. */
 int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads, int hd, const void *k,
               const void *v, int64_t kv_stride, int bf16, float scale, float *out) {
     int rep = heads / kv_heads;
     size_t esz = bf16 ? 2 : 4;
+#ifdef ATT_AMX
+    int tiles = bf16 && amx_granted && hd % 32 == 0;
+#else
+    int tiles = 0;
+#endif
     Scratch w;
+    memset(&w, 0, sizeof w);
     w.kt = aligned_alloc(64, (size_t)(SB * hd) * sizeof(float));
     w.vf = aligned_alloc(64, (size_t)(SB * hd) * sizeof(float));
-    w.s = aligned_alloc(64, (size_t)(GP * SB) * sizeof(float));
+    w.s = aligned_alloc(64, (size_t)((GP + 16) * SB) * sizeof(float));
     w.acc = aligned_alloc(64, (size_t)(GP * 2 * hd) * sizeof(float));
     w.m = aligned_alloc(64, GP * sizeof(float));
     w.den = aligned_alloc(64, GP * sizeof(vec));
+    w.pb = tiles ? aligned_alloc(64, (size_t)((GP + 16) * SB) * 2) : NULL;
+    uint16_t *qb = tiles ? aligned_alloc(64, (size_t)((GP + 16) * hd) * 2) : NULL;
     float *qs = aligned_alloc(64, (size_t)(n * heads * hd) * sizeof(float) + 64);
     Pass *ps = malloc(sizeof(Pass));
-    if (!w.kt || !w.vf || !w.s || !w.acc || !w.m || !w.den || !qs || !ps) {
-        free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(qs), free(ps);
+    if (!w.kt || !w.vf || !w.s || !w.acc || !w.m || !w.den || !qs || !ps || (tiles && (!w.pb || !qb))) {
+        free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(w.pb), free(qb), free(qs), free(ps);
         return -1;
     }
     for (int64_t i = 0; i < n * heads * hd; i++) qs[i] = q[i] * scale;
+#ifdef ATT_AMX
+    if (tiles) tiles_on();
+#endif
     for (int g = 0; g < kv_heads; g++) {
         const void *kg = (const char *)k + (size_t)g * kv_stride * esz, *vg = (const char *)v + (size_t)g * kv_stride * esz;
         int np = 0;
@@ -324,13 +519,25 @@ int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads,
                 ps->qs[np] = qs + (i * heads + h) * hd;
                 ps->last[np] = start + i;
                 ps->out[np] = out + i * heads * hd + h * hd;
-                if (++np == GP) {
-                    pass(ps, np, kg, vg, bf16, hd, &w);
+                if (++np == GP || (i == n - 1 && r == rep - 1)) {
+#ifdef ATT_AMX
+                    if (tiles) {
+                        for (int p = 0; p < np; p++)  /* the queries in bf16, one rounding each */
+                            for (int d = 0; d < hd; d += 16)
+                                _mm256_store_si256((__m256i *)(qb + (int64_t)p * hd + d),
+                                                   (__m256i)_mm512_cvtneps_pbh(V_LOAD(ps->qs[p] + d)));
+                        memset(qb + (int64_t)np * hd, 0, (size_t)((np + 15) / 16 * 16 - np) * hd * 2);
+                        pass_amx(ps, np, kg, vg, hd, &w, qb);
+                    } else
+#endif
+                        pass(ps, np, kg, vg, bf16, hd, &w);
                     np = 0;
                 }
             }
-        if (np) pass(ps, np, kg, vg, bf16, hd, &w);
     }
-    free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(qs), free(ps);
+#ifdef ATT_AMX
+    if (tiles) _tile_release();
+#endif
+    free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(w.pb), free(qb), free(qs), free(ps);
     return 0;
 }

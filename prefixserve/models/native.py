@@ -144,6 +144,7 @@ def library() -> ctypes.CDLL | None:
         lib.amx_linear_team.argtypes = [P, I64, I64, I64, P, P, I64, P, I64, ctypes.c_int]
         lib.rows_logits.restype = ctypes.c_int
         lib.rows_logits.argtypes = [P, ctypes.c_float, P, P, P, P, ctypes.c_int]
+        lib.amx_ready()  # ask for the AMX tiles now: attention.c's bf16 path runs on them once granted
         _lib = lib
         return lib
 
@@ -208,8 +209,9 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 def kernel_name(native: bool) -> str:
-    """The attention kernel a decoder runs, for its tier fingerprint: this build, or the torch blocks."""
-    return f"native-{digest()}" if native else "block32x16"
+    """The attention kernel a decoder runs, for its tier fingerprint: this build (on the AMX tiles or
+    not: attention.c's bf16 path), or the torch blocks."""
+    return f"native-{digest()}{'-amx' if amx_ready() else ''}" if native else "block32x16"
 
 
 def attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -44,11 +44,12 @@ def test_attention_is_attention(dtype, heads, kv_heads, hd):
     q = torch.randn(keys - start, heads, hd, generator=torch.Generator().manual_seed(1)).to(dtype) * 2
     got = native.attention(q, kv[0], kv[1], start)
     want = reference(q, kv[0], kv[1], start)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the result is rounded to bf16
+    # bf16: the result is rounded to bf16 (on AMX tiles the queries and weights too: attention.c)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert got.dtype == dtype and got.shape == (keys - start, heads * hd)
     assert (got.double() - want).abs().max().item() < tol
-    # and agrees with the torch formulation it replaces to the same tolerance
-    assert (got.double() - block_attention(q, kv[0], kv[1], start).double()).abs().max().item() < tol
+    # and agrees with the torch formulation it replaces: both within tol of the truth, so within 2 tol
+    assert (got.double() - block_attention(q, kv[0], kv[1], start).double()).abs().max().item() < 2 * tol
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
