@@ -23,9 +23,9 @@ FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=
 grep -qw avx512f /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512=ON"
 grep -qw avx512_bf16 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512_BF16=ON"
 grep -qw avx512_vnni /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AVX512_VNNI=ON"
-# ggml's AMX kernels (Q4_0 / Q4_1 / Q8_0 weights against int8-quantised activations): the peer at its best
-grep -qw amx_int8 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON"
-grep -qw amx_bf16 /proc/cpuinfo && FLAGS="$FLAGS -DGGML_AMX_BF16=ON"
+# Not ggml's AMX kernels (GGML_AMX_TILE/INT8/BF16): built with them, this llama.cpp dies at its first
+# prompt with SIGILL on a `tilezero` in libggml-cpu (Xeon with AMX, 2026-12-03: a tile instruction
+# with no tile configuration loaded on that thread), so the peer runs its AVX-512 (VNNI) kernels there.
 echo "llama.cpp build flags: $FLAGS" >&2
 # shellcheck disable=SC2086
 cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release $FLAGS -DLLAMA_CURL=OFF \
