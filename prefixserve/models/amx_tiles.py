@@ -1,8 +1,8 @@
 """A bf16 model's dense matmuls on AMX tiles (amx.c), on Intel Xeons with AMX-BF16.
 
-torch's bf16 matmul (oneDNN) uses the same tiles, but each call first repacks the weight into the
-tile layout and picks its blocking by the call's shape, so a 64-row tile paid the repacking and
-spent most of its time outside the multiply (docs/architecture.md, "AMX"). Here each weight is
+torch's bf16 matmul (oneDNN) uses the same tiles, but each call takes the weight as it is and picks
+its blocking by the call's shape: at the 64-row tiles it ran at half this kernel's rate
+(docs/architecture.md, "AMX"). Here each weight is
 packed once at load (`native.amx_pack`, kept beside the bf16 weight as the attribute `amx_packed`)
 and `layers.linear` multiplies it with amx.c, whose rows are row-local by construction: a row's
 bits are those of its own products in one fixed order, whatever the call's row count, the other

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from prefixserve.models.decoder import Decoder, Segment
 
 MAX_REP = 32  # decode.c: query heads per kv head
+W_QKV, W_KINDS = 5, 9  # decode.c: a layer's first pack (qkv, o, gate_up, down follow) and its kinds
 
 
 @dataclass(slots=True)
@@ -103,8 +104,8 @@ def _amx_weights(dec: Decoder, weights: torch.Tensor) -> torch.Tensor | None:
         if any(p is None for p in packs):
             return None
         for i, p in enumerate(packs):
-            out[li, 5 + i] = p.data_ptr()  # type: ignore[union-attr]
-        out[li, 9] = int(out[li, 9]) | 0xF0
+            out[li, W_QKV + i] = p.data_ptr()  # type: ignore[union-attr]
+        out[li, W_KINDS] = int(out[li, W_KINDS]) | 0xF0
     return out
 
 
