@@ -1,0 +1,73 @@
+"""Single-stream decode of both servers, interleaved: the check behind the README's decode row.
+
+    .venv/bin/python bench/decode_ab.py [--rounds 8] [--max-tokens 256]
+
+Starts ours (`prefixserve serve --no-ledger`) and the peer (`.peer/bin/llama-server` with
+`make bench`'s flags, `-t 2 -tb 2`) side by side, idle while the other answers, then sends the same
+greedy streaming chat request (bench/client.py, `make bench`'s decode prompt) to one and then the
+other, alternating which goes first, and prints each one's decode tokens/s (after the first token)
+and the ratio of the medians. On a VM whose speed drifts by tens of percent within minutes, a
+one-server-then-the-other run can disagree with itself; alternating puts both under the same drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client import BenchClient
+from peer import peer_cmd
+from prompts import DECODE_PROMPT
+from serve_bench import default_gguf
+from servers import ServerProcess, free_port
+
+
+async def alternate(ours: ServerProcess, peer: ServerProcess, rounds: int, max_tokens: int) -> dict[str, list[float]]:
+    clients = {s.name: BenchClient(s.base_url, s.api_key, s.model_id()) for s in (ours, peer)}
+    messages = [{"role": "user", "content": DECODE_PROMPT}]
+    speeds: dict[str, list[float]] = {name: [] for name in clients}
+    try:
+        for name, client in clients.items():  # a first request each: nothing of a cold start is timed
+            await client.chat(messages, 16)
+        for i in range(rounds):
+            order = list(clients) if i % 2 == 0 else list(reversed(clients))
+            for name in order:
+                speed = (await clients[name].chat(messages, max_tokens)).decode_tokens_per_s()
+                if speed is not None:
+                    speeds[name].append(speed)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return speeds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--ours-cmd", default=".venv/bin/prefixserve serve --no-ledger")
+    parser.add_argument("--peer-bin", default=".peer/bin/llama-server")
+    args = parser.parse_args()
+    key = "bench-" + secrets.token_hex(8)
+    logs = Path(tempfile.mkdtemp(prefix="decode-ab-"))
+    ours_port, peer_port = free_port(), free_port()
+    ours_cmd = [*args.ours_cmd.split(), "--host", "127.0.0.1", "--port", str(ours_port), "--api-key", key]
+    peer = peer_cmd(args.peer_bin, default_gguf(), key)(peer_port, 2, 2)
+    with ServerProcess("ours", ours_cmd, ours_port, key, logs / "ours.log") as a, \
+            ServerProcess("peer", peer, peer_port, key, logs / "peer.log") as b:
+        speeds = asyncio.run(alternate(a, b, args.rounds, args.max_tokens))
+    for name, values in speeds.items():
+        print(f"{name}: median {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.0f}' for v in values)})")
+    print(f"ours/peer: {statistics.median(speeds['ours']) / statistics.median(speeds['peer']):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
