@@ -45,16 +45,14 @@ int amx_ready(void) {
     return amx_granted;
 }
 
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
+/* every tile 16 rows of 64 bytes; a constant in memory: the compiler does not see LDTILECFG read a
+ * local struct, and dropped the stores that filled one (a #GP at the load) */
+static const tile_config TILES = {.palette = 1,
+                                  .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                  .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* this thread's tiles as TILES says (attention.c uses them so too) */
+void amx_tiles_on(void) { _tile_loadconfig(&TILES); }
 
 /* the 16 x 16 fp32 sums at `sums` plus bias, for `rows` real rows: rounded to bf16, or as they are */
 static void finish(const float *sums, int rows, const float *bias, void *out, int out_f32, int64_t ldo) {
@@ -138,7 +136,7 @@ int amx_matmul(const void *x, int x_f32, int64_t M, int64_t ldx, int64_t K, cons
     uint16_t *a = aligned_alloc(64, (size_t)(panel * K * 2 + 63) / 64 * 64);
     if (!a) return -1;
     size_t esz = out_f32 ? 4 : 2;
-    configure();
+    amx_tiles_on();
     for (int64_t p = 0; p < M; p += PANEL_ROWS) {
         int64_t pe = p + PANEL_ROWS < M ? p + PANEL_ROWS : M;
         stage(x, x_f32, ldx, K, p, pe, a);

@@ -314,21 +314,22 @@ static void pass(const Pass *ps, int np, const void *k, const void *v, int bf16,
  * last weigh exactly 0, so nothing depends on the other pairs of the tile, the call or the KV past p. */
 extern int amx_granted;
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
+void amx_tiles_on(void); /* amx.c: every tile 16 rows of 64 bytes */
 
-static void tiles_on(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
+/* C tiles 4 .. 3 + n (n <= 4) += A tile 0 times the n B tiles at b, b + stride, ... (32-bit words) */
+static inline __attribute__((always_inline)) void products(int n, const uint32_t *b, int64_t stride) {
+    _tile_loadd(1, b, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    if (n > 1) { _tile_loadd(2, b + stride, 64); _tile_dpbf16ps(5, 0, 2); }
+    if (n > 2) { _tile_loadd(3, b + 2 * stride, 64); _tile_dpbf16ps(6, 0, 3); }
+    if (n > 3) { _tile_loadd(1, b + 3 * stride, 64); _tile_dpbf16ps(7, 0, 1); }
+}
+
+static inline __attribute__((always_inline)) void zero_sums(void) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
 }
 
 /* Keys [lo, hi) of one kv head (bf16) in the tiles' layouts, zero past hi:
@@ -411,18 +412,10 @@ static void pass_amx(const Pass *ps, int np, const uint16_t *k, const uint16_t *
             int64_t need = (keys_in(ps->last[p0 + g - 1], lo, hi) + 15) / 16;  /* key blocks the group reads */
             for (int64_t b = 0; b < need; b += 4) {  /* scores: up to four 16-key blocks per A tile load */
                 int nb = need - b < 4 ? (int)(need - b) : 4;
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_zero(6);
-                _tile_zero(7);
+                zero_sums();
                 for (int t = 0; t < steps; t++) {
                     _tile_loadd(0, qb + (int64_t)p0 * hd + 32 * t, hd * 2);
-                    const uint32_t *kb = (const uint32_t *)w->kt + ((b * steps + t) * 16) * 16;
-                    _tile_loadd(1, kb, 64);
-                    _tile_dpbf16ps(4, 0, 1);
-                    if (nb > 1) { _tile_loadd(2, kb + steps * 256, 64); _tile_dpbf16ps(5, 0, 2); }
-                    if (nb > 2) { _tile_loadd(3, kb + 2 * steps * 256, 64); _tile_dpbf16ps(6, 0, 3); }
-                    if (nb > 3) { _tile_loadd(1, kb + 3 * steps * 256, 64); _tile_dpbf16ps(7, 0, 1); }
+                    products(nb, (const uint32_t *)w->kt + (b * steps + t) * 256, steps * 256);
                 }
                 float *sd = w->s + (int64_t)p0 * SB + 16 * b;
                 _tile_stored(4, sd, SB * 4);
@@ -444,18 +437,10 @@ static void pass_amx(const Pass *ps, int np, const uint16_t *k, const uint16_t *
             int64_t ksteps = (keys_in(ps->last[p0 + g - 1], lo, hi) + 31) / 32;
             for (int e0 = 0; e0 < blocks; e0 += 4) {
                 int ne = blocks - e0 < 4 ? blocks - e0 : 4;
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_zero(6);
-                _tile_zero(7);
+                zero_sums();
                 for (int64_t t = 0; t < ksteps; t++) {
                     _tile_loadd(0, pb + (int64_t)p0 * SB + 32 * t, SB * 2);
-                    const uint32_t *vt = (const uint32_t *)w->vf + ((t * blocks + e0) * 16) * 16;
-                    _tile_loadd(1, vt, 64);
-                    _tile_dpbf16ps(4, 0, 1);
-                    if (ne > 1) { _tile_loadd(2, vt + 256, 64); _tile_dpbf16ps(5, 0, 2); }
-                    if (ne > 2) { _tile_loadd(3, vt + 512, 64); _tile_dpbf16ps(6, 0, 3); }
-                    if (ne > 3) { _tile_loadd(1, vt + 768, 64); _tile_dpbf16ps(7, 0, 1); }
+                    products(ne, (const uint32_t *)w->vf + (t * blocks + e0) * 256, 256);
                 }
                 for (int e = 0; e < ne; e++) {
                     if (e == 0) _tile_stored(4, sums, 64);
@@ -508,7 +493,7 @@ int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads,
     }
     for (int64_t i = 0; i < n * heads * hd; i++) qs[i] = q[i] * scale;
 #ifdef ATT_AMX
-    if (tiles) tiles_on();
+    if (tiles) amx_tiles_on();
 #endif
     for (int g = 0; g < kv_heads; g++) {
         const void *kg = (const char *)k + (size_t)g * kv_stride * esz, *vg = (const char *)v + (size_t)g * kv_stride * esz;
