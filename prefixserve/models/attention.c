@@ -163,9 +163,10 @@ static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t
         }
 }
 
-/* A pair's weights over a stretch's first `cnt` keys in place of its scores si (the rest of the
- * last 16-key block masked), with its running max m, den and out chains acc (2 x hd) carried on. */
-static void weigh(float *si, int64_t cnt, float *m, vec *den, float *acc, int hd) {
+/* A pair's scores si over a stretch's first `cnt` keys: the rest of the last 16-key block masked,
+ * the running max m taken on, and where it grew, den and the `n` sums at acc rescaled. Returns the
+ * stretch's 16-key blocks. */
+static int64_t stretch_max(float *si, int64_t cnt, float *m, vec *den, float *acc, int n) {
     int64_t nb = (cnt + 15) / 16;
     for (int64_t j = cnt; j < nb * 16; j++) si[j] = -INFINITY;
     vec mv = V_SET1(-INFINITY);
@@ -175,10 +176,17 @@ static void weigh(float *si, int64_t cnt, float *m, vec *den, float *acc, int hd
         if (*m != -INFINITY) {  /* c = 1 where the max held: nothing to do; and nothing to scale yet */
             vec c = v_exp(V_SET1(*m - mx));
             *den = V_MUL(*den, c);
-            for (int d = 0; d < 2 * hd; d += 16) V_STORE(acc + d, V_MUL(V_LOAD(acc + d), c));
+            for (int d = 0; d < n; d += 16) V_STORE(acc + d, V_MUL(V_LOAD(acc + d), c));
         }
         *m = mx;
     }
+    return nb;
+}
+
+/* A pair's weights over a stretch's first `cnt` keys in place of its scores si, with its running
+ * max m, den and out chains acc (2 x hd) carried on. */
+static void weigh(float *si, int64_t cnt, float *m, vec *den, float *acc, int hd) {
+    int64_t nb = stretch_max(si, cnt, m, den, acc, 2 * hd);
     vec mm = V_SET1(*m), dn = *den;
     for (int64_t b = 0; b < nb; b++) {
         vec e = v_exp(V_SUB(V_LOAD(si + b * 16), mm));
@@ -367,19 +375,7 @@ static void stage_tiles(const uint16_t *k, const uint16_t *v, int64_t lo, int64_
 /* weigh's arithmetic with each weight rounded to bf16 (into pb, zero from cnt to the stretch's next
  * 32-key step) and den summing the rounded weights */
 static void weigh_bf16(float *si, int64_t cnt, int64_t upto, float *m, vec *den, float *acc, int hd, uint16_t *pb) {
-    int64_t nb = (cnt + 15) / 16;
-    for (int64_t j = cnt; j < nb * 16; j++) si[j] = -INFINITY;
-    vec mv = V_SET1(-INFINITY);
-    for (int64_t b = 0; b < nb; b++) mv = V_MAX(mv, V_LOAD(si + b * 16));
-    float mx = v_hmax(mv);
-    if (mx > *m) {
-        if (*m != -INFINITY) {
-            vec c = v_exp(V_SET1(*m - mx));
-            *den = V_MUL(*den, c);
-            for (int d = 0; d < hd; d += 16) V_STORE(acc + d, V_MUL(V_LOAD(acc + d), c));
-        }
-        *m = mx;
-    }
+    int64_t nb = stretch_max(si, cnt, m, den, acc, hd);
     vec mm = V_SET1(*m), dn = *den;
     for (int64_t b = 0; b < nb; b++) {
         __m256bh e = _mm512_cvtneps_pbh(v_exp(V_SUB(V_LOAD(si + b * 16), mm)));
