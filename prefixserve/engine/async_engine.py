@@ -162,10 +162,11 @@ class AsyncEngine:
 
     def fingerprint(self) -> str:
         """`system_fingerprint`: a digest of everything that decides the bits of an output here (the
-        model, its dtype, the decode kernel, the self-test's verdict and row padding)."""
+        model, its dtype, the decode kernel, the self-test's verdict and row padding, and the kernels'
+        own choices: `kernel_fingerprint`, e.g. the native build and whether it runs on AMX tiles)."""
         d = self.core.runner.decoder
         parts = (self.model_id, self._model_source, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
-                 str(d.tiles), str(self.core.exact_reuse), self._selftest_detail)
+                 str(d.tiles), str(self.core.exact_reuse), self._selftest_detail, d.kernel_fingerprint())
         return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:
