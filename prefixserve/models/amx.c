@@ -2,10 +2,10 @@
  * logits (models/layers.py `linear`): y = bf16(x W^T + bias), fp32 accumulation.
  *
  * Built with the other kernels by models/native.py; where the compiler targets no AMX (-march=native
- * on a CPU without it) only `amx_ready`, returning 0, is built, and callers use torch's matmul.
+ * on a CPU without it) only stubs are built (`amx_ready` returns 0), and callers use torch's matmul.
  *
  * Weights, N outputs (N a multiple of 16) of K inputs (K a multiple of 32), packed once at load
- * (models/amx.py) in the tile layout TDPBF16PS reads: block b of 16 outputs, step s of 32 inputs at
+ * (models/amx_tiles.py, native.amx_pack) in the tile layout TDPBF16PS reads: block b of 16 outputs, step s of 32 inputs at
  * element (b * K/32 + s) * 512; in it, row i (input pair 2i, 2i + 1) holds for each output o of the
  * block its two weights, w[o][32s + 2i], w[o][32s + 2i + 1].
  *
