@@ -259,7 +259,7 @@ static void pv_group(int R, const float *const *si, int64_t j0, int64_t j1, cons
 typedef struct {
     float *kt, *vf, *s, *acc, *m;
     vec *den;
-    void *pb; /* the tiles' path: a pass's weights in bf16 */
+    void *pb, *qb; /* the tiles' path: a pass's weights and queries in bf16 */
 } Scratch;
 
 /* keys of the stretch [lo, hi) that a pair whose last key is `last` (>= lo) attends */
@@ -386,10 +386,14 @@ static void weigh_bf16(float *si, int64_t cnt, int64_t upto, float *m, vec *den,
     if (upto > nb * 16) memset(pb + nb * 16, 0, (size_t)(upto - nb * 16) * 2);
 }
 
-/* One pass on the tiles (bf16 K and V): qb holds the pass's queries, bf16 and scaled, 16-row padded. */
-static void pass_amx(const Pass *ps, int np, const uint16_t *k, const uint16_t *v, int hd, Scratch *w,
-                     const uint16_t *qb) {
+/* One pass on the tiles (bf16 K and V). */
+static void pass_amx(const Pass *ps, int np, const uint16_t *k, const uint16_t *v, int hd, Scratch *w) {
     int steps = hd / 32, blocks = hd / 16;
+    uint16_t *qb = w->qb;  /* the pass's scaled queries in bf16, one rounding each; zero to a whole tile */
+    for (int p = 0; p < np; p++)
+        for (int d = 0; d < hd; d += 16)
+            _mm256_store_si256((__m256i *)(qb + (int64_t)p * hd + d), (__m256i)_mm512_cvtneps_pbh(V_LOAD(ps->qs[p] + d)));
+    memset(qb + (int64_t)np * hd, 0, (size_t)((np + 15) / 16 * 16 - np) * hd * 2);
     int64_t top = 0;
     for (int i = 0; i < np; i++) {
         top = ps->last[i] > top ? ps->last[i] : top;
@@ -460,6 +464,18 @@ static void pass_amx(const Pass *ps, int np, const uint16_t *k, const uint16_t *
 }
 #endif
 
+/* a pass on the tiles where `tiles` (decided once per call), else on the FMAs */
+static void run_pass(const Pass *ps, int np, const void *k, const void *v, int bf16, int hd, Scratch *w, int tiles) {
+#ifdef ATT_AMX
+    if (tiles) {
+        pass_amx(ps, np, k, v, hd, w);
+        return;
+    }
+#endif
+    (void)tiles;
+    pass(ps, np, k, v, bf16, hd, w);
+}
+
 /* q: [n][heads][hd] fp32 (unscaled); k, v: [kv_heads] blocks `kv_stride` elements apart, each
  * [>= start + n][hd]; out: [n][heads * hd] fp32. Returns 0, or -1 when out of memory. */
 int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads, int hd, const void *k,
@@ -480,11 +496,11 @@ int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads,
     w.m = aligned_alloc(64, GP * sizeof(float));
     w.den = aligned_alloc(64, GP * sizeof(vec));
     w.pb = tiles ? aligned_alloc(64, (size_t)((GP + 16) * SB) * 2) : NULL;
-    uint16_t *qb = tiles ? aligned_alloc(64, (size_t)((GP + 16) * hd) * 2) : NULL;
+    w.qb = tiles ? aligned_alloc(64, (size_t)((GP + 16) * hd) * 2) : NULL;
     float *qs = aligned_alloc(64, (size_t)(n * heads * hd) * sizeof(float) + 64);
     Pass *ps = malloc(sizeof(Pass));
-    if (!w.kt || !w.vf || !w.s || !w.acc || !w.m || !w.den || !qs || !ps || (tiles && (!w.pb || !qb))) {
-        free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(w.pb), free(qb), free(qs), free(ps);
+    if (!w.kt || !w.vf || !w.s || !w.acc || !w.m || !w.den || !qs || !ps || (tiles && (!w.pb || !w.qb))) {
+        free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(w.pb), free(w.qb), free(qs), free(ps);
         return -1;
     }
     for (int64_t i = 0; i < n * heads * hd; i++) qs[i] = q[i] * scale;
@@ -500,25 +516,16 @@ int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads,
                 ps->qs[np] = qs + (i * heads + h) * hd;
                 ps->last[np] = start + i;
                 ps->out[np] = out + i * heads * hd + h * hd;
-                if (++np == GP || (i == n - 1 && r == rep - 1)) {
-#ifdef ATT_AMX
-                    if (tiles) {
-                        for (int p = 0; p < np; p++)  /* the queries in bf16, one rounding each */
-                            for (int d = 0; d < hd; d += 16)
-                                _mm256_store_si256((__m256i *)(qb + (int64_t)p * hd + d),
-                                                   (__m256i)_mm512_cvtneps_pbh(V_LOAD(ps->qs[p] + d)));
-                        memset(qb + (int64_t)np * hd, 0, (size_t)((np + 15) / 16 * 16 - np) * hd * 2);
-                        pass_amx(ps, np, kg, vg, hd, &w, qb);
-                    } else
-#endif
-                        pass(ps, np, kg, vg, bf16, hd, &w);
+                if (++np == GP) {
+                    run_pass(ps, np, kg, vg, bf16, hd, &w, tiles);
                     np = 0;
                 }
             }
+        if (np) run_pass(ps, np, kg, vg, bf16, hd, &w, tiles);
     }
 #ifdef ATT_AMX
     if (tiles) _tile_release();
 #endif
-    free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(w.pb), free(qb), free(qs), free(ps);
+    free(w.kt), free(w.vf), free(w.s), free(w.acc), free(w.m), free(w.den), free(w.pb), free(w.qb), free(qs), free(ps);
     return 0;
 }
