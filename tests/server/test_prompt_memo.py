@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixserve.server.prompt_memo import MIN_TOKENS, PromptMemo, input_digest
+from prefixserve.server.prompt_memo import MIN_TOKENS, NotRemembered, PromptMemo, input_digest
 from prefixserve.types import FlushScope, Namespace
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import KEY_A, KEY_B
@@ -49,6 +49,19 @@ def test_inputs_differing_in_key_order_kind_or_tools_are_different() -> None:
     assert input_digest("chat", [{"content": float("nan")}], None) is None  # not plain JSON: never kept
     assert input_digest("chat", [{"content": object()}], None) is None
     assert input_digest("text", "a \ud800 lone surrogate") is None
+
+
+def test_a_recall_only_view_answers_what_is_held_and_never_encodes_or_adds() -> None:
+    memo, enc = PromptMemo(), Counting()
+    memo.ids(A, b"d1", enc)
+    view = memo.recall_only()
+    assert view.ids(A, b"d1", enc) == list(range(MIN_TOKENS)) and enc.calls == 1
+    for ns, digest in ((A, b"d2"), (B, b"d1"), (A, None)):  # not held, another namespace, not digestible
+        with pytest.raises(NotRemembered):
+            view.ids(ns, digest, enc)
+    assert enc.calls == 1 and len(memo) == 1
+    memo.ids(A, b"d2", enc)  # what the memo learns later, the view sees (one store)
+    assert view.ids(A, b"d2", enc) == list(range(MIN_TOKENS)) and enc.calls == 2
 
 
 def test_short_prompts_and_failures_are_not_kept() -> None:
@@ -128,3 +141,42 @@ def test_http_a_repeated_chat_is_rendered_once_per_tenant_and_salt_and_again_aft
     assert r.status_code == 200
     assert post(KEY_A) == first and eng.renders == 4
     assert post(KEY_B) == first and eng.renders == 4  # B's was not flushed
+
+
+def test_http_a_remembered_prompt_is_prepared_without_the_thread_pool(make_client, monkeypatch) -> None:
+    """The first request of a prompt is prepared in the thread pool (its encoding must not stall the
+    event loop); a repeat is prepared on the event loop: same ids, no thread hop. Tools (a grammar
+    to check) always take the pool."""
+    import prefixserve.server.app as app_module
+
+    hops: list[str] = []
+    real = app_module.run_in_threadpool
+
+    async def counting(fn: Any, *a: Any, **k: Any) -> Any:
+        hops.append(fn.__name__)
+        return await real(fn, *a, **k)
+
+    monkeypatch.setattr(app_module, "run_in_threadpool", counting)
+    eng = CountingTokenizerEngine()
+    client: TestClient = make_client(eng=eng)
+    body: dict[str, Any] = {"model": "fake-model", "max_tokens": 2,
+                            "messages": [{"role": "system", "content": "s" * 400}, {"role": "user", "content": "hi"}]}
+
+    def post(path: str, payload: dict[str, Any]) -> list[int]:
+        r = client.post(path, json=payload, headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 200, r.text
+        return list(eng.requests[-1].prompt_ids)
+
+    first = post("/v1/chat/completions", body)
+    assert hops == ["prepare_chat"]
+    assert post("/v1/chat/completions", {**body, "stream": True}) == first and hops == ["prepare_chat"]
+    assert eng.renders == 1
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    post("/v1/chat/completions", {**body, "tools": tools})
+    post("/v1/chat/completions", {**body, "tools": tools})
+    assert hops == ["prepare_chat"] * 3
+    text = {"model": "fake-model", "max_tokens": 2, "prompt": "p " * 400}
+    assert post("/v1/completions", text) == post("/v1/completions", text)
+    assert hops == ["prepare_chat"] * 3 + ["prepare_completion"]
+    r = client.post("/v1/completions", json={**text, "max_tokens": -1}, headers={"Authorization": f"Bearer {KEY_A}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # refused inline, the same error
