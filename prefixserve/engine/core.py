@@ -255,6 +255,9 @@ class EngineCore:
                 continue
             self.running.append(s)
             self._start(s)
+        # pooled buffers (runner/state.py KVPool) and the admitted sessions' KV share the session
+        # budget: the server's memory bound (README, "Under pressure") holds with the pool full
+        self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes)
 
     def _start(self, s: Session) -> None:
         req = s.request

@@ -32,10 +32,18 @@ class KVPool:
     the allocation stalled; into a reused buffer the same copy takes ~6 ms. Buffers come back only
     from owners that are done with them (`give`), and only when no view of their storage is alive;
     `take` returns garbage, so every caller writes or zeroes all of it (block attention needs zeros
-    past the valid keys). Bounded by `max_bytes`, oldest out. Engine-thread only.
+    past the valid keys). Bounded by `max_bytes`, oldest out, and by what `trim` allows (the engine
+    keeps the pool within the session budget its admitted sessions leave). Engine-thread only.
+
+    512 MiB, not the 128 it was: back-to-back requests on a 2,000-token system prompt keep up to
+    MAX_PENDING_REFILLS finished states (45 MB each) waiting for their refill while the next requests
+    restore, so 128 MiB (two buffers) sent most buffers back to the OS; on the VM the host took those
+    pages back, and touching them again cost 0.5-0.65 s in one request of two to five (a 22-token
+    suffix over 2,030 cached tokens: 500-650 ms instead of 70). Measured with 512 MiB: 36 such
+    requests, 8 buffers allocated, none slow (docs/architecture.md, "KV buffers").
     """
 
-    def __init__(self, max_bytes: int = 128 << 20) -> None:
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
         self.max_bytes = max_bytes
         self._free: list[torch.Tensor] = []
         self.bytes = 0
@@ -61,6 +69,12 @@ class KVPool:
         self.num_reused += 1
         return t
 
+    def trim(self, limit: int) -> None:
+        """Hold at most `limit` bytes (oldest out)."""
+        while self._free and self.bytes > max(0, limit):
+            old = self._free.pop(0)
+            self.bytes -= old.numel() * old.element_size()
+
     def give(self, kv: torch.Tensor) -> None:
         """Keep `kv` for reuse if nothing else can see its memory (no live view of its storage)."""
         nbytes = kv.numel() * kv.element_size()
@@ -70,9 +84,7 @@ class KVPool:
             return
         self._free.append(kv)
         self.bytes += nbytes
-        while self.bytes > self.max_bytes:
-            old = self._free.pop(0)
-            self.bytes -= old.numel() * old.element_size()
+        self.trim(self.max_bytes)
 
 
 def _kv_buffer(

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
@@ -250,3 +251,28 @@ def test_a_full_queue_answers_overloaded():
         return last
 
     assert asyncio.run(go()).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_pooled_kv_buffers_share_the_session_budget():
+    """Finished sessions' buffers kept for reuse (runner/state.py KVPool) count against
+    --max-session-bytes with the admitted sessions' reservations: admitting a session trims the pool
+    to what the budget leaves, so the documented memory bound holds with the pool full."""
+    model, runner = load_embedded("int4")
+    per_token = runner.kv_bytes_per_token()
+    p = prompts()[0]
+    need = (len(p) + 8) * per_token  # what request(p) reserves (prompt + max_tokens)
+    budget = need + 3 * 32 * per_token
+    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
+                      EngineConfig(prefill_chunk_tokens=64, max_batch_tokens=256, max_session_bytes=budget),
+                      2048, lambda r, d: None)
+    pool = runner.kv_pool
+    pool.trim(0)
+    for _ in range(4):  # 4 x 32 tokens pooled: more than the budget leaves beside the session
+        pool.give(torch.empty(*runner.state_shape[:3], 32, runner.state_shape[3], dtype=runner.decoder.dtype))
+    assert pool.bytes == 4 * 32 * per_token
+    core.add(request(p))
+    core.step()
+    assert core._reserved_bytes == need and 0 < pool.bytes <= budget - need
+    while core.has_work():
+        core.step()
+    pool.trim(0)

@@ -54,3 +54,17 @@ def test_sizes_match_within_slack_and_the_pool_is_bounded() -> None:
     assert pool.take((2, 2, 3, 480, 8), torch.bfloat16, "cpu").shape[3] == 512  # within the slack
     assert pool.take((2, 2, 3, 512, 8), torch.float32, "cpu").dtype == torch.float32
     assert pool.num_reused == 1
+
+
+def test_trim_drops_the_oldest_to_a_limit() -> None:
+    one = 2 * 2 * 3 * 8 * 2 * 64  # bytes of a 64-token buffer
+    pool = KVPool()
+    bufs = [torch.empty(2, 2, 3, 64, 8, dtype=torch.bfloat16) for _ in range(3)]
+    for b in bufs:
+        pool.give(b)
+    del b
+    pool.trim(2 * one + 1)
+    assert pool.bytes == 2 * one
+    assert pool.take((2, 2, 3, 64, 8), torch.bfloat16, "cpu").data_ptr() in {bufs[1].data_ptr(), bufs[2].data_ptr()}
+    pool.trim(-5)
+    assert pool.bytes == 0
