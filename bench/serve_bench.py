@@ -3,8 +3,10 @@
     python bench/serve_bench.py --ours-cmd ".venv/bin/prefixserve serve --no-ledger" \\
         --peer-bin .peer/bin/llama-server --out bench/results [--quick]
 
-Each server runs alone while it is measured (ours, stopped, then the peer), is driven by the
-same client code and prompts (client.py, workloads.py, prompts.py), and only on 127.0.0.1.
+Each server's start-up is timed alone; then both run, and each workload is measured on one and then
+the other (the order alternating), the other idle meanwhile: a pair of numbers is never minutes of
+a VM's drift apart. Both are driven by the same client code and prompts (client.py, workloads.py,
+prompts.py), only on 127.0.0.1.
 Raw records and server logs go to OUT/raw/ (ignored by git); OUT/README.md and OUT/bench.png
 are the results. `--only ours|peer` re-measures one server and reuses the other's raw record;
 `--report-only` rebuilds README.md and the PNG from OUT/raw/.
@@ -39,7 +41,7 @@ from prompts import PromptFactory, load_token_counter
 from readme import render_readme
 from report import build_rows, markdown_table
 from servers import ServerProcess, free_port
-from workloads import BenchPlan, SuiteResult, run_suite
+from workloads import BenchPlan, Step, SuiteResult, suite_steps
 
 API_KEY = "bench-" + secrets.token_hex(8)
 
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_servers(args: argparse.Namespace, raw_dir: Path) -> None:
-    """Measure ours, then the peer (tuned first unless --peer-threads is given)."""
+    """Measure ours and the peer, interleaved (the peer's threads tuned first unless --peer-threads
+    is given)."""
     gguf = args.model or default_gguf()
     plan = _plan(args)
     _save(raw_dir / "plan.json", {"quick": args.quick, **asdict(plan)})
@@ -66,16 +69,11 @@ def run_servers(args: argparse.Namespace, raw_dir: Path) -> None:
     print(
         f"prompts sized with the {counter_kind}; run tag {plan.run_tag}; {plan.num_requests()} requests/server"
     )
+    servers: list[tuple[str, Callable[[int], list[str]]]] = []
+    settings: dict[str, Any] = {}
     if args.only in ("both", "ours"):
         ours_cmd = shlex.split(args.ours_cmd) + (["--model", gguf] if args.ours_model_flag else [])
-        raw = measure(
-            "ours",
-            lambda port: [*ours_cmd, "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY],
-            plan,
-            prompts,
-            raw_dir,
-        )
-        _save(raw_dir / "ours.json", raw)
+        servers.append(("ours", lambda port: [*ours_cmd, "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY]))
     if args.only in ("both", "peer"):
         make_peer = peer_cmd(args.peer_bin, gguf, API_KEY, args.peer_args)
         tuning = None
@@ -89,26 +87,87 @@ def run_servers(args: argparse.Namespace, raw_dir: Path) -> None:
             )
             threads = tuning["chosen"]
         n_threads, n_threads_batch = threads
-        raw = measure(
-            "peer", lambda port: make_peer(port, n_threads, n_threads_batch), plan, prompts, raw_dir
-        )
-        raw["settings"] = {"n_threads": n_threads, "n_threads_batch": n_threads_batch, "tuning": tuning}
-        _save(raw_dir / "peer.json", raw)
+        servers.append(("peer", lambda port: make_peer(port, n_threads, n_threads_batch)))
+        settings["peer"] = {"n_threads": n_threads, "n_threads_batch": n_threads_batch, "tuning": tuning}
+    for name, raw in measure(servers, plan, prompts, raw_dir).items():
+        if name in settings:
+            raw["settings"] = settings[name]
+        _save(raw_dir / f"{name}.json", raw)
 
 
 EXTRA_STARTS = 2  # second starts before the measured one (each stopped as soon as it serves)
 
 
 def measure(
-    name: str, make_cmd: Callable[[int], list[str]], plan: BenchPlan, prompts: PromptFactory, raw_dir: Path
-) -> dict[str, Any]:
-    """Start one server, run the whole suite against it, stop it; return its raw record.
+    servers: list[tuple[str, Callable[[int], list[str]]]], plan: BenchPlan, prompts: PromptFactory, raw_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """Time each server's start-up (alone), then start them all and run the suite interleaved:
+    each workload on one server, then on the other (which goes first alternates), the other idle
+    meanwhile. Returns each server's raw record.
 
-    On an interrupt or error the server is still stopped and what was measured is saved as
-    RAW_DIR/NAME.partial.json before the exception propagates.
+    A VM's speed drifts by tens of percent within minutes; measured one server after the other,
+    13 minutes apart, a ratio mixed the servers with the drift (single-stream decode read 0.90x in
+    one run and 1.61x in an interleaved check minutes later). On an interrupt or error the servers
+    are still stopped and what was measured is saved as RAW_DIR/NAME.partial.json before the
+    exception propagates.
     """
-    # a first start, stopped at once: it fills what a server keeps between starts (ours: the
-    # prepared-model cache and the built native kernels); the start measured is the second
+    starts = {name: startup_times(name, make_cmd, raw_dir) for name, make_cmd in servers}
+    suites = {name: SuiteResult() for name, _ in servers}
+    running: dict[str, ServerProcess] = {}
+    cmds: dict[str, list[str]] = {}
+    models: dict[str, str] = {}
+    started_at = dt.datetime.now().isoformat(timespec="seconds")
+    complete = False
+    try:
+        for name, make_cmd in servers:
+            port = free_port()
+            cmds[name] = make_cmd(port)
+            print(f"[{name}] starting: {shlex.join(cmds[name])}")
+            server = running[name] = ServerProcess(name, cmds[name], port, API_KEY, raw_dir / f"{name}.log")
+            server.start()
+            assert server.startup_s is not None
+            starts[name][1].append(server.startup_s)
+            print(f"[{name}] ready in {server.startup_s:.1f}s (second starts: "
+                  f"{', '.join(f'{t:.1f}' for t in starts[name][1])} s), "
+                  f"idle RSS {server.idle_rss_bytes / 2**20:.0f} MiB")
+            models[name] = server.model_id()
+        total = plan.num_requests() * len(servers)
+        with tqdm(total=total, desc="+".join(running), unit="req", dynamic_ncols=True) as bar:
+            asyncio.run(_interleave(running, models, suite_steps(plan, prompts), suites, bar.update))
+        complete = True
+    finally:
+        raws: dict[str, dict[str, Any]] = {}
+        for name, _ in servers:
+            server = running.get(name)
+            if server is not None:
+                server.stop()
+            first_s, restarts = starts[name]
+            raws[name] = {
+                "server": name,
+                "cmd": cmds.get(name, []),
+                "model": models.get(name, ""),
+                "started_at": started_at,
+                "complete": complete,
+                "interleaved_with": [other for other, _ in servers if other != name],
+                "startup_s": statistics.median(restarts) if restarts else None,
+                "second_starts_s": restarts,
+                "first_startup_s": first_s,
+                "idle_rss_bytes": server.idle_rss_bytes if server else 0,
+                "peak_rss_bytes": server.peak_rss_bytes if server else 0,
+                "loadavg": os.getloadavg(),
+                "records": suites[name].records,
+                "rounds": suites[name].rounds,
+            }
+            if not complete:
+                _save(raw_dir / f"{name}.partial.json", raws[name])
+    return raws
+
+
+def startup_times(name: str, make_cmd: Callable[[int], list[str]], raw_dir: Path) -> tuple[float | None, list[float]]:
+    """A first start, stopped at once: it fills what a server keeps between starts (ours: the
+    prepared-model cache and the built native kernels); then EXTRA_STARTS second starts, stopped as
+    soon as each serves: a start on these shared cores varies by a second or more, so the row reports
+    the median of these and the measured server's own start. Each start runs alone."""
     port = free_port()
     first = ServerProcess(name, make_cmd(port), port, API_KEY, raw_dir / f"{name}.first.log")
     print(f"[{name}] first start: {shlex.join(first.cmd)}")
@@ -117,8 +176,6 @@ def measure(
     finally:
         first.stop()
     print(f"[{name}] first start ready in {first.startup_s:.1f}s")
-    # more starts stopped at once: a start on these shared cores varies by a second or more, so the
-    # row reports the median of these and the measured one
     restarts: list[float] = []
     for i in range(EXTRA_STARTS):
         port = free_port()
@@ -129,46 +186,7 @@ def measure(
             again.stop()
         assert again.startup_s is not None
         restarts.append(again.startup_s)
-    port = free_port()
-    cmd = make_cmd(port)
-    print(f"[{name}] starting: {shlex.join(cmd)}")
-    started_at = dt.datetime.now().isoformat(timespec="seconds")
-    suite = SuiteResult()
-    server = ServerProcess(name, cmd, port, API_KEY, raw_dir / f"{name}.log")
-    complete = False
-    model = ""
-    try:
-        server.start()
-        assert server.startup_s is not None
-        restarts.append(server.startup_s)
-        print(f"[{name}] ready in {server.startup_s:.1f}s (second starts: "
-              f"{', '.join(f'{t:.1f}' for t in restarts)} s), idle RSS {server.idle_rss_bytes / 2**20:.0f} MiB")
-        model = server.model_id()
-        with tqdm(total=plan.num_requests(), desc=name, unit="req", dynamic_ncols=True) as bar:
-            asyncio.run(
-                _run_suite(BenchClient(server.base_url, API_KEY, model), plan, prompts, suite, bar.update)
-            )
-        complete = True
-    finally:
-        server.stop()
-        raw = {
-            "server": name,
-            "cmd": cmd,
-            "model": model,
-            "started_at": started_at,
-            "complete": complete,
-            "startup_s": statistics.median(restarts) if restarts else None,
-            "second_starts_s": restarts,
-            "first_startup_s": first.startup_s,
-            "idle_rss_bytes": server.idle_rss_bytes,
-            "peak_rss_bytes": server.peak_rss_bytes,
-            "loadavg": os.getloadavg(),
-            "records": suite.records,
-            "rounds": suite.rounds,
-        }
-        if not complete:
-            _save(raw_dir / f"{name}.partial.json", raw)
-    return raw
+    return first.startup_s, restarts
 
 
 def write_report(out: Path, raw_dir: Path) -> None:
@@ -194,17 +212,20 @@ def default_gguf() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-async def _run_suite(
-    client: BenchClient,
-    plan: BenchPlan,
-    prompts: PromptFactory,
-    suite: SuiteResult,
-    tick: Callable[[int], Any],
+async def _interleave(
+    servers: dict[str, ServerProcess], models: dict[str, str], steps: list[tuple[str, Step]],
+    suites: dict[str, SuiteResult], tick: Callable[[int], Any],
 ) -> None:
+    """Each step on every server in turn, the order rotating from one step to the next."""
+    clients = {name: BenchClient(server.base_url, API_KEY, models[name]) for name, server in servers.items()}
+    names = list(clients)
     try:
-        await run_suite(client, plan, prompts, suite, tick)
+        for i, (_, step) in enumerate(steps):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                await step(clients[name], suites[name], tick)
     finally:
-        await client.aclose()
+        for client in clients.values():
+            await client.aclose()
 
 
 def _plan(args: argparse.Namespace) -> BenchPlan:

@@ -11,7 +11,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,21 +70,29 @@ class SuiteResult:
         self.records.setdefault(key, []).append(result.to_json())
 
 
-async def run_suite(
-    client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
-) -> SuiteResult:
-    """All workloads, in a fixed order, against one server; records accumulate in `suite`."""
-    for prompt_len in plan.prompt_lens:
-        await cold_ttft(client, plan, prompts, prompt_len, suite, tick)
-        await warm_ttft(client, plan, prompts, prompt_len, suite, tick)
-        await partial_ttft(client, plan, prompts, prompt_len, suite, tick, interleaved=False)
-        await partial_ttft(client, plan, prompts, prompt_len, suite, tick, interleaved=True)
-    for max_tokens in plan.decode_max_tokens:
-        await decode(client, plan, max_tokens, suite, tick)
-    await concurrency(client, plan, prompts, suite, tick)
-    await contended(client, plan, prompts, suite, tick)
-    await long_prompt(client, plan, prompts, suite, tick)
-    return suite
+Step = Callable[[BenchClient, SuiteResult, Tick], Awaitable[None]]
+
+
+def suite_steps(plan: BenchPlan, prompts: PromptFactory) -> list[tuple[str, Step]]:
+    """Every workload, in a fixed order, as (name, step): a step runs one workload against one server.
+    serve_bench.py runs each step on one server and then the other before the next step, so a pair of
+    numbers is never minutes of machine drift apart."""
+    steps: list[tuple[str, Step]] = []
+    for n in plan.prompt_lens:
+        steps += [
+            (f"cold TTFT {n}", lambda c, s, t, n=n: cold_ttft(c, plan, prompts, n, s, t)),
+            (f"warm TTFT {n}", lambda c, s, t, n=n: warm_ttft(c, plan, prompts, n, s, t)),
+            (f"partial TTFT {n}", lambda c, s, t, n=n: partial_ttft(c, plan, prompts, n, s, t, interleaved=False)),
+            (f"partial TTFT {n}, interleaved",
+             lambda c, s, t, n=n: partial_ttft(c, plan, prompts, n, s, t, interleaved=True)),
+        ]
+    steps += [(f"decode {m}", lambda c, s, t, m=m: decode(c, plan, m, s, t)) for m in plan.decode_max_tokens]
+    steps += [
+        ("concurrency", lambda c, s, t: concurrency(c, plan, prompts, s, t)),
+        ("contended", lambda c, s, t: contended(c, plan, prompts, s, t)),
+        ("long prompt", lambda c, s, t: long_prompt(c, plan, prompts, s, t)),
+    ]
+    return steps
 
 
 async def long_prompt(
