@@ -37,8 +37,8 @@ class KVPool:
 
     512 MiB, not the 128 it was: back-to-back requests on a 2,000-token system prompt keep up to
     MAX_PENDING_REFILLS finished states (45 MB each) waiting for their refill while the next requests
-    restore, so 128 MiB (two buffers) sent most buffers back to the OS; on the VM the host took those
-    pages back, and touching them again cost 0.5-0.65 s in one request of two to five (a 22-token
+    restore, so 128 MiB (two buffers) sent most buffers back to the OS, and on the VM fresh pages cost
+    ~40 us each to touch: 0.5-0.65 s in one request of two to five (a 22-token
     suffix over 2,030 cached tokens: 500-650 ms instead of 70). Measured with 512 MiB: 36 such
     requests, 8 buffers allocated, none slow (docs/architecture.md, "KV buffers").
     """
