@@ -84,7 +84,7 @@ def _bench_ttft(quick: bool, print_fn: Callable[[str], object]) -> None:
         for r in range(reps):
             system = _system_prompt(m.tokenizer, n, uuid.uuid4().hex[:8])
 
-            def chat(user: str) -> list[int]:
+            def chat(user: str, system: str = system) -> list[int]:
                 return m.tokenizer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
             ids = chat("What is the fee for account type 3?")

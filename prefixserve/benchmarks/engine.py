@@ -126,7 +126,7 @@ def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str], roofline
     for n in (512, 2048):
         ids = torch.randint(3, m.arch.vocab_size, (n,), generator=g).tolist()
 
-        def prefill() -> float:
+        def prefill(n: int = n, ids: list[int] = ids) -> float:
             st = runner.new_state(n)
             t0 = time.perf_counter()
             runner.prefill(st, ids, PREFILL_CHUNK)
@@ -141,7 +141,7 @@ def _ours(dtype: torch.dtype, reps: int, quick: bool, notes: list[str], roofline
             runner.prefill(st, torch.randint(3, m.arch.vocab_size, (500,), generator=g).tolist(), PREFILL_CHUNK)
             states.append(st)
 
-        def decode() -> float:
+        def decode(states: list[SessionState] = states) -> float:
             t0 = time.perf_counter()
             for _ in range(steps):
                 runner.step([StepItem(st, [int(torch.argmax(_logits(st)))], decode=True) for st in states])
@@ -160,7 +160,7 @@ def _transformers(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float
     for n in (512, 2048):
         ids = torch.randint(3, vocab, (1, n), generator=g)
 
-        def prefill() -> float:
+        def prefill(ids: torch.Tensor = ids) -> float:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 model(ids, use_cache=True, logits_to_keep=1)
@@ -176,7 +176,7 @@ def _transformers(dtype: torch.dtype, reps: int, quick: bool) -> dict[str, float
             o = model(ids, use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1)
         state = {"cache": o.past_key_values, "next": o.logits[:, -1].argmax(-1, keepdim=True)}
 
-        def decode() -> float:
+        def decode(state: dict[str, Any] = state) -> float:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for _ in range(steps):
@@ -196,12 +196,12 @@ def reference_model(dtype: torch.dtype):  # -> transformers.LlamaForCausalLM
 
     gm = GGUFModel(embedded_model_path())
     a = gm.arch
-    kw: dict[str, Any] = dict(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-        max_position_embeddings=a.max_position, rms_norm_eps=a.rms_eps, tie_word_embeddings=a.tie_embeddings,
-        rope_theta=a.rope_theta,
-    )
+    kw: dict[str, Any] = {
+        "vocab_size": a.vocab_size, "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_layers, "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+        "max_position_embeddings": a.max_position, "rms_norm_eps": a.rms_eps, "tie_word_embeddings": a.tie_embeddings,
+        "rope_theta": a.rope_theta,
+    }
     config = LlamaConfig(**kw)
     model = LlamaForCausalLM(config)
     state = {}

@@ -26,11 +26,11 @@ from prefixserve.models.layers import TilePlan
 from prefixserve.runner import ModelRunner
 from prefixserve.types import Delta, Namespace, Request, SamplingParams
 
-SHAPE_0_8B: dict[str, Any] = dict(
-    vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_heads=8, num_kv_heads=2, head_dim=256,
-    rotary_dim=64, rope_theta=1e7, rms_eps=1e-6, max_position=32768, conv_kernel=4, lin_k_heads=16,
-    lin_v_heads=16, lin_k_dim=128, lin_v_dim=128, tie_embeddings=True,
-)
+SHAPE_0_8B: dict[str, Any] = {
+    "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584, "num_heads": 8, "num_kv_heads": 2, "head_dim": 256,
+    "rotary_dim": 64, "rope_theta": 1e7, "rms_eps": 1e-6, "max_position": 32768, "conv_kernel": 4, "lin_k_heads": 16,
+    "lin_v_heads": 16, "lin_k_dim": 128, "lin_v_dim": 128, "tie_embeddings": True,
+}
 
 
 def random_hybrid(layers: int, dtype: torch.dtype, seed: int = 0, **shape: object):

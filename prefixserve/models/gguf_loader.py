@@ -140,5 +140,5 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 def _field_value(field: Any) -> Any:
     try:
         return field.contents()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a metadata field gguf cannot decode is left out, not fatal
         return None

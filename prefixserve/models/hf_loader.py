@@ -38,7 +38,7 @@ class HFModel:
             except Exception as e:
                 raise ModelLoadError(f"cannot read safetensors file {fn}: {type(e).__name__}: {e}") from e
             self._handles[fn] = h
-            for name in h.keys():
+            for name in h.keys():  # noqa: SIM118 - a safetensors handle has keys(), no __iter__
                 self._where[name] = fn
         self.arch = self._arch_config()
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import ast
-import statistics
 from pathlib import Path
 
 import prefixserve.cache
-from prefixserve.cache.bench import measure
 
 CACHE_DIR = Path(prefixserve.cache.__file__).parent
 ALLOWED_OURS = {"prefixserve.types", "prefixserve.config"}

@@ -108,7 +108,7 @@ def test_a_long_prompt_sharing_steps_with_a_decoder_takes_a_quarter_of_the_work(
     """While another session decodes, each step's long-prompt chunk does at most a quarter of the
     attention work of a lone one (so the decoder's tokens, and a newcomer's first, wait less); alone
     again, it goes back to full chunks."""
-    core, rec = make_core(monkeypatch)
+    core, _rec = make_core(monkeypatch)
     long = request(6000, 5)
     core.add(long)
     for _ in range(8):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_unsupported_variants_are_named(tiny, tmp_path, model_type, needle):
     other.mkdir()
     for fn in os.listdir(folder):
         os.symlink(os.path.join(folder, fn), other / fn)
-    cfg = json.load(open(os.path.join(folder, "config.json")))
+    cfg = json.loads(Path(folder, "config.json").read_text())
     cfg["model_type"] = model_type
     os.unlink(other / "config.json")
     (other / "config.json").write_text(json.dumps(cfg))
@@ -91,7 +92,7 @@ def test_multimodal_checkpoint_layout_loads_the_text_model(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
     folder, _ = tiny
-    cfg = json.load(open(os.path.join(folder, "config.json")))
+    cfg = json.loads(Path(folder, "config.json").read_text())
     nested = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": cfg}
     out = tmp_path / "mm"
     out.mkdir()

@@ -48,7 +48,7 @@ def make_model(folder: str, *, layers: int = 4, seed: int = 0, hidden: int = 64,
     model = Qwen3_5ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("A_log") or name.endswith("dt_bias"):
+            if name.endswith(("A_log", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
             elif p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)

@@ -74,7 +74,7 @@ def rest_is(name: str, suffix: str) -> bool:
 
 
 def _unpermute_like(arr: np.ndarray, hf_name: str, c) -> np.ndarray:
-    if hf_name.endswith("q_proj.weight") or hf_name.endswith("k_proj.weight"):
+    if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = c.num_attention_heads if hf_name.endswith("q_proj.weight") else c.num_key_value_heads
         return arr.reshape(heads, arr.shape[0] // heads // 2, 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
     return arr

@@ -4,6 +4,7 @@ construction (docs/exactness.md)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -142,6 +143,6 @@ def test_a_call_split_between_threads_gives_the_same_bits():
     for ways in (2, 3, 5):
         assert torch.equal(native.attention(q, kv[0], kv[1], 600, ways, kt.parallel), whole)
     bounds = native._split(300, 600, 2)
-    work = [sum(600 + i + 1 for i in range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    work = [sum(600 + i + 1 for i in range(a, b)) for a, b in itertools.pairwise(bounds)]
     assert bounds[0] == 0 and bounds[-1] == 300 and abs(work[0] - work[1]) <= 2 * 900  # equal halves, to within a row or two
     assert native._split(1, 5000, 2) == [0, 0, 1]  # one row: one part runs it, the empty one is skipped

@@ -14,8 +14,8 @@ from prefixserve.models.layers import TilePlan
 from prefixserve.models.weights import build_decoder
 from prefixserve.runner import ModelRunner, StepItem
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)
+TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0}
 
 
 def make_tiny(kind: str, folder: str, **overrides):
