@@ -223,15 +223,17 @@ class Decoder:
             tiles.append((offset, t))
             offset += t
         total = offset
+        decoded = None  # decode rows' logits from the native decode step (models/native_decode.py)
+        plan = self.native_decode_plan() if nd or self.prefill_q4 or self.amx else None
+        if nd and plan is not None:
+            decoded = native_decode.decode_rows(self, plan, token_ids[:nd], segments[:leading])
+            if num_rows == nd:  # every row decoded in that one call: the layer loop below would do nothing
+                return decoded[[i for i, s in enumerate(segments) if s.want_logits]]
         positions = torch.zeros(total, dtype=torch.long, device=self.device)
         positions[:num_rows] = torch.cat(
             [torch.arange(s.start, s.start + s.num_new, device=self.device) for s in segments]
         )
         cos, sin = self.rope.lookup(positions)
-        decoded = None  # decode rows' logits from the native decode step (models/native_decode.py)
-        plan = self.native_decode_plan() if nd or self.prefill_q4 or self.amx else None
-        if nd and plan is not None:
-            decoded = native_decode.decode_rows(self, plan, token_ids[:nd], segments[:leading])
         if (plan is not None and (self.prefill_q4 or plan.prefill_weights is not None) and num_rows > nd and (decoded is not None or not nd)
                 and (rows := native_decode.prefill_start(self, plan, token_ids[nd:], segments[leading:])) is not None):
             return (yield from native_decode.prefill_layers(self, plan, rows, decoded, segments, nd))
