@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import secrets
 import statistics
 import sys
 import tempfile
@@ -25,27 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client import BenchClient
 from peer import peer_cmd
 from prompts import DECODE_PROMPT
-from serve_bench import default_gguf
+from serve_bench import API_KEY, default_gguf, interleave
 from servers import ServerProcess, free_port
-
-
-async def alternate(ours: ServerProcess, peer: ServerProcess, rounds: int, max_tokens: int) -> dict[str, list[float]]:
-    clients = {s.name: BenchClient(s.base_url, s.api_key, s.model_id()) for s in (ours, peer)}
-    messages = [{"role": "user", "content": DECODE_PROMPT}]
-    speeds: dict[str, list[float]] = {name: [] for name in clients}
-    try:
-        for name, client in clients.items():  # a first request each: nothing of a cold start is timed
-            await client.chat(messages, 16)
-        for i in range(rounds):
-            order = list(clients) if i % 2 == 0 else list(reversed(clients))
-            for name in order:
-                speed = (await clients[name].chat(messages, max_tokens)).decode_tokens_per_s()
-                if speed is not None:
-                    speeds[name].append(speed)
-    finally:
-        for client in clients.values():
-            await client.aclose()
-    return speeds
+from workloads import BenchPlan, SuiteResult, Tick, decode
 
 
 def main() -> int:
@@ -55,14 +36,24 @@ def main() -> int:
     parser.add_argument("--ours-cmd", default=".venv/bin/prefixserve serve --no-ledger")
     parser.add_argument("--peer-bin", default=".peer/bin/llama-server")
     args = parser.parse_args()
-    key = "bench-" + secrets.token_hex(8)
     logs = Path(tempfile.mkdtemp(prefix="decode-ab-"))
     ours_port, peer_port = free_port(), free_port()
-    ours_cmd = [*args.ours_cmd.split(), "--host", "127.0.0.1", "--port", str(ours_port), "--api-key", key]
-    peer = peer_cmd(args.peer_bin, default_gguf(), key)(peer_port, 2, 2)
-    with ServerProcess("ours", ours_cmd, ours_port, key, logs / "ours.log") as a, \
-            ServerProcess("peer", peer, peer_port, key, logs / "peer.log") as b:
-        speeds = asyncio.run(alternate(a, b, args.rounds, args.max_tokens))
+    ours_cmd = [*args.ours_cmd.split(), "--host", "127.0.0.1", "--port", str(ours_port), "--api-key", API_KEY]
+    peer = peer_cmd(args.peer_bin, default_gguf(), API_KEY)(peer_port, 2, 2)
+    plan = BenchPlan(run_tag="decode-ab", num_runs=1)
+
+    async def first(client: BenchClient, suite: SuiteResult, tick: Tick) -> None:  # nothing of a cold start is timed
+        await client.chat([{"role": "user", "content": DECODE_PROMPT}], 16)
+
+    steps = [("first request", first)] + [
+        ("decode", lambda c, s, t: decode(c, plan, args.max_tokens, s, t))] * args.rounds
+    suites = {"ours": SuiteResult(), "peer": SuiteResult()}
+    with ServerProcess("ours", ours_cmd, ours_port, API_KEY, logs / "ours.log") as a, \
+            ServerProcess("peer", peer, peer_port, API_KEY, logs / "peer.log") as b:
+        servers = {"ours": a, "peer": b}
+        asyncio.run(interleave(servers, {n: s.model_id() for n, s in servers.items()}, steps, suites, lambda n: None))
+    speeds = {name: [v for r in suite.records[f"decode_{args.max_tokens}"] if (v := r["decode_tokens_per_s"]) is not None]
+              for name, suite in suites.items()}
     for name, values in speeds.items():
         print(f"{name}: median {statistics.median(values):.1f} tok/s ({', '.join(f'{v:.0f}' for v in values)})")
     print(f"ours/peer: {statistics.median(speeds['ours']) / statistics.median(speeds['peer']):.2f}x")

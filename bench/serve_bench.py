@@ -133,7 +133,7 @@ def measure(
             models[name] = server.model_id()
         total = plan.num_requests() * len(servers)
         with tqdm(total=total, desc="+".join(running), unit="req", dynamic_ncols=True) as bar:
-            asyncio.run(_interleave(running, models, suite_steps(plan, prompts), suites, bar.update))
+            asyncio.run(interleave(running, models, suite_steps(plan, prompts), suites, bar.update))
         complete = True
     finally:
         raws: dict[str, dict[str, Any]] = {}
@@ -212,7 +212,7 @@ def default_gguf() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-async def _interleave(
+async def interleave(
     servers: dict[str, ServerProcess], models: dict[str, str], steps: list[tuple[str, Step]],
     suites: dict[str, SuiteResult], tick: Callable[[int], Any],
 ) -> None:
