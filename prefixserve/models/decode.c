@@ -242,7 +242,7 @@ static inline vec silu(vec g) {
 #endif
 }
 
-enum { KEY_CHUNK = 64, MAXREP = 8, KV_DESC = 5 };  /* keys per scoring task; query heads per kv head scored together */
+enum { KEY_CHUNK = 64, MAXREP = 8, KV_DESC = 5, KV_AHEAD = 24 /* rows prefetched ahead */ };  /* keys per scoring task; query heads per kv head scored together */
 
 /* scores of the rep query heads q[rep][hd] (scaled) against keys [j0, j1) (j0, j1 multiples of 16)
  * of one kv head, k: [cap][hd] bf16 (keys at or past cap read as zero); s_h = s + h * stride */
@@ -255,6 +255,7 @@ static void score(const float *q, int rep, int hd, const uint16_t *k, int64_t ca
             vec t[MAXREP][16];
             for (int jj = 0; jj < 16; jj++) {
                 vec kj[32];
+                for (int c = 0; c < nv; c += 2) __builtin_prefetch(k + (b + jj + KV_AHEAD) * hd + 16 * c);
                 for (int c = 0; c < nv; c++)
                     kj[c] = b + jj < cap ? v_load_bf16(k + (b + jj) * hd + 16 * c) : V_ZERO();
                 for (int h = 0; h < nh; h++) {
@@ -285,17 +286,50 @@ static float softmax_weights(float *sh, int64_t last) {
     return hsum(den);
 }
 
-/* dims [16c, 16c + 16) of the rep heads' outputs: sum_j e_j v_j over keys 0..last in order, / den;
- * v: [>= last + 1][hd] bf16; e_h = e + h * stride; out_h = out + h * hd */
-static void weigh_values(const float *e, int64_t stride, const float *den, int rep, int hd, const uint16_t *v,
-                         int64_t last, int c, float *out) {
-    vec acc[32];
-    for (int h = 0; h < rep; h++) acc[h] = V_ZERO();
-    for (int64_t j = 0; j <= last; j++) {
-        vec vj = v_load_bf16(v + j * hd + 16 * c);
-        for (int h = 0; h < rep; h++) acc[h] = V_FMA(V_SET1(e[h * stride + j]), vj, acc[h]);
+/* one (row, kv head)'s P.V over keys [j0, j1) of V [>= j1][hd] bf16, for its rep query heads' weights
+ * e_h = e + h * stride: part_h = part + h * pstride gets sum_j e_j v_j (each output one chain over j
+ * in order). A task reads whole rows of V (a thread reading only some dims of each row pulled its
+ * neighbour's cache lines too), NH heads by NC 16-dim slices at a time in registers. */
+enum { PV_SEG = 256 /* keys of a P.V task; fixed, so the sums' order never depends on the threads */ };
+static inline __attribute__((always_inline)) void weigh_group(const float *e, int64_t stride, int hd,
+                                                               const uint16_t *v, int64_t j0, int64_t j1, int h0,
+                                                               const int nh, int c0, const int nc, float *part,
+                                                               int64_t pstride) {
+    vec acc[6][4];
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < nc; i++) acc[h][i] = V_ZERO();
+    for (int64_t j = j0; j < j1; j++) {
+        vec vj[4];
+        for (int i = 0; i < nc; i += 4) __builtin_prefetch(v + (j + KV_AHEAD) * hd + 16 * (c0 + i));
+        for (int i = 0; i < nc; i++) vj[i] = v_load_bf16(v + j * hd + 16 * (c0 + i));
+        for (int h = 0; h < nh; h++) {
+            vec eh = V_SET1(e[(h0 + h) * stride + j]);
+            for (int i = 0; i < nc; i++) acc[h][i] = V_FMA(eh, vj[i], acc[h][i]);
+        }
     }
-    for (int h = 0; h < rep; h++) V_STORE(out + h * hd + 16 * c, V_DIV(acc[h], V_SET1(den[h])));
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < nc; i++) V_STORE(part + (h0 + h) * pstride + 16 * (c0 + i), acc[h][i]);
+}
+static void weigh_values(const float *e, int64_t stride, int rep, int hd, const uint16_t *v, int64_t j0, int64_t j1,
+                         float *part, int64_t pstride) {
+    int nv = hd / 16;
+    for (int c0 = 0; c0 < nv; c0 += 4) {
+        int nc = nv - c0 < 4 ? nv - c0 : 4;
+        for (int h0 = 0; h0 < rep; h0 += 6) {
+            int nh = rep - h0 < 6 ? rep - h0 : 6;
+            switch (nc == 4 ? nh : 0) {  /* registers for constant shapes; any other runs a slice at a time */
+            case 1: weigh_group(e, stride, hd, v, j0, j1, h0, 1, c0, 4, part, pstride); break;
+            case 2: weigh_group(e, stride, hd, v, j0, j1, h0, 2, c0, 4, part, pstride); break;
+            case 3: weigh_group(e, stride, hd, v, j0, j1, h0, 3, c0, 4, part, pstride); break;
+            case 4: weigh_group(e, stride, hd, v, j0, j1, h0, 4, c0, 4, part, pstride); break;
+            case 5: weigh_group(e, stride, hd, v, j0, j1, h0, 5, c0, 4, part, pstride); break;
+            case 6: weigh_group(e, stride, hd, v, j0, j1, h0, 6, c0, 4, part, pstride); break;
+            default:
+                for (int h = h0; h < h0 + nh; h++)
+                    for (int c = c0; c < c0 + nc; c++) weigh_group(e, stride, hd, v, j0, j1, h, 1, c, 1, part, pstride);
+            }
+        }
+    }
 }
 
 /* ---- the step ---- */
@@ -331,6 +365,7 @@ typedef struct {
     float *qkv, *attn, *gu, *act, *tmp, *xs; /* xs: [T][n][max(hidden, inter)] */
     float *q;                                /* [n][heads][hd]: rotated, scaled queries */
     float *scores, *den;                     /* [n][heads][stride], [n][heads] */
+    float *parts;                            /* [n][heads][stride / PV_SEG rounded up][hd]: P.V stretches' sums */
     int64_t stride;
     barrier_t bar;
     atomic_int failed; /* amx.c could not have its staging buffer */
@@ -361,17 +396,49 @@ static void decode_attention(step_t *s, int64_t l, int t, int T, int *local) {
     barrier(&s->bar, local, T);
     for (int64_t i = t; i < n * s->heads; i += T) s->den[i] = softmax_weights(s->scores + i * s->stride, s->pos[i / s->heads]);
     barrier(&s->bar, local, T);
+    /* P.V by (row, kv head, PV_SEG keys): a row with one such stretch writes its outputs, a longer
+     * one its stretches' sums (parts), added in order after a barrier */
+    int64_t nseg = (s->stride + PV_SEG - 1) / PV_SEG, pstride = nseg * hd;
+    int any_parts = 0;
     idx = 0;
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t g = 0; g < kvh; g++)
-            for (int c = 0; c < hd / 16; c++, idx++) {
+    for (int64_t r = 0; r < n; r++) {
+        int64_t keys = s->pos[r] + 1, segs = (keys + PV_SEG - 1) / PV_SEG;
+        any_parts |= segs > 1;
+        for (int64_t g = 0; g < kvh; g++) {
+            const int64_t *kv = s->kv + r * KV_DESC;
+            const uint16_t *vc = (const uint16_t *)kv[0] + l * kv[1] + g * kv[3] + kv[2];
+            int64_t first = r * s->heads + g * rep;
+            for (int64_t q = 0; q < segs; q++, idx++) {
                 if (idx % T != t) continue;
-                const int64_t *kv = s->kv + r * KV_DESC;
-                const uint16_t *vc = (const uint16_t *)kv[0] + l * kv[1] + g * kv[3] + kv[2];
-                int64_t first = r * s->heads + g * rep;
-                weigh_values(s->scores + first * s->stride, s->stride, s->den + first, (int)rep, (int)hd, vc,
-                             s->pos[r], c, s->attn + first * hd);
+                int64_t j0 = q * PV_SEG, j1 = j0 + PV_SEG < keys ? j0 + PV_SEG : keys;
+                const float *e = s->scores + first * s->stride;
+                if (segs == 1) {
+                    weigh_values(e, s->stride, (int)rep, (int)hd, vc, j0, j1, s->attn + first * hd, hd);
+                    for (int64_t h = 0; h < rep; h++)
+                        for (int64_t d = 0; d < hd; d += 16) {
+                            float *o = s->attn + (first + h) * hd + d;
+                            V_STORE(o, V_DIV(V_LOAD(o), V_SET1(s->den[first + h])));
+                        }
+                } else {
+                    weigh_values(e, s->stride, (int)rep, (int)hd, vc, j0, j1, s->parts + first * pstride + q * hd,
+                                 pstride);
+                }
             }
+        }
+    }
+    if (any_parts) {
+        barrier(&s->bar, local, T);
+        for (int64_t i = t; i < n * s->heads; i += T) {
+            int64_t segs = (s->pos[i / s->heads] + PV_SEG) / PV_SEG;
+            if (segs == 1) continue;
+            const float *pi = s->parts + i * pstride;
+            for (int64_t d = 0; d < hd; d += 16) {
+                vec sum = V_LOAD(pi + d);
+                for (int64_t q = 1; q < segs; q++) sum = V_ADD(sum, V_LOAD(pi + q * hd + d));
+                V_STORE(s->attn + i * hd + d, V_DIV(sum, V_SET1(s->den[i])));
+            }
+        }
+    }
     barrier(&s->bar, local, T);
 }
 
@@ -484,7 +551,8 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     int64_t maxpos = 0;
     for (int64_t r = 0; r < n; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
     s.stride = (maxpos + 16) / 16 * 16 + 16;
-    float *buf = aligned_alloc(64, (size_t)(n * (nqkv + 2 * qs + 3 * s.inter + s.hidden + s.heads * (s.stride + 1)) +
+    float *buf = aligned_alloc(64, (size_t)(n * (nqkv + 2 * qs + 3 * s.inter + s.hidden + s.heads * (s.stride + 1) +
+                                                 s.heads * ((s.stride + PV_SEG - 1) / PV_SEG) * s.hd) +
                                             T * n * wide) * sizeof(float) + 64);
     if (!buf) return -1;
     float *p = buf;
@@ -496,6 +564,7 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     s.tmp = p, p += n * s.hidden;
     s.scores = p, p += n * s.heads * s.stride;
     s.den = p, p += n * s.heads;
+    s.parts = p, p += n * s.heads * ((s.stride + PV_SEG - 1) / PV_SEG) * s.hd;
     s.xs = p, p += T * n * wide;
     /* run_team settles the member count before any member starts (fewer where a worker could not be
      * created), so every barrier waits for the members that run */

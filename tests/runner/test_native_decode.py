@@ -115,14 +115,13 @@ def test_decode_step_computes_what_the_torch_formulation_does(tiny, monkeypatch)
     assert F.cosine_similarity(k_mine.flatten(), k_theirs.flatten(), dim=0) > 0.9999  # decoded K/V written
 
 
-def test_decode_step_is_batch_and_thread_invariant(tiny):
-    dec = _runner(tiny, int4=True).decoder
+def _batch_and_thread_invariant(folder: str, starts: list[int], capacity: int) -> None:
+    dec = _runner(folder, int4=True).decoder
     plan = dec.native_decode_plan()
     assert plan is not None
     a = dec.arch
     g = torch.Generator().manual_seed(4)
-    starts = [3, 16, 47, 100]
-    kv = (torch.randn(len(starts), a.num_layers, 2, a.num_kv_heads, 128, a.head_dim, generator=g) / 2).bfloat16()
+    kv = (torch.randn(len(starts), a.num_layers, 2, a.num_kv_heads, capacity, a.head_dim, generator=g) / 2).bfloat16()
     tokens = torch.randint(0, a.vocab_size, (len(starts),), generator=g)
 
     def run(rows: list[int], ways: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,15 +131,48 @@ def test_decode_step_is_batch_and_thread_invariant(tiny):
         assert logits is not None and logits.shape == (len(rows), a.vocab_size)
         return logits, mine
 
-    all_logits, all_kv = run([0, 1, 2, 3], 1)
+    every = list(range(len(starts)))
+    all_logits, all_kv = run(every, 1)
     for ways in (2, 3):
-        logits, kv_out = run([0, 1, 2, 3], ways)
+        logits, kv_out = run(every, ways)
         assert torch.equal(logits, all_logits) and torch.equal(kv_out, all_kv)
-    for i in range(4):
+    for i in every:
         alone, kv_out = run([i], 2)
         assert torch.equal(alone[0], all_logits[i])
         assert torch.equal(kv_out[i], all_kv[i])
     assert not torch.equal(all_kv, kv)  # the step wrote K/V at each session's position
+
+
+def test_decode_step_is_batch_and_thread_invariant(tiny):
+    _batch_and_thread_invariant(tiny, [3, 16, 47, 100], 128)
+
+
+# Deeper than one P.V stretch (decode.c PV_SEG, 256 keys), at the head shapes decode.c keeps in
+# registers: 64-dim heads 3 to a kv head (the embedded model), 7 (a group of 6 and one of 1), and 80-dim
+# heads (four 16-dim slices and one alone).
+@pytest.fixture(scope="module", params=[(6, 64), (14, 64), (4, 80)], ids=["rep3-hd64", "rep7-hd64", "rep2-hd80"])
+def deep(request, tmp_path_factory):
+    heads, head_dim = request.param
+    folder = str(tmp_path_factory.mktemp(f"deep{heads}x{head_dim}"))
+    make_tiny("llama", folder, hidden_size=16 * heads, intermediate_size=128, head_dim=head_dim, num_attention_heads=heads,
+              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+    return folder
+
+
+def test_deep_decode_step_is_batch_and_thread_invariant(deep):
+    _batch_and_thread_invariant(deep, [5, 255, 256, 700], 768)
+
+
+def test_deep_decode_step_computes_what_the_torch_formulation_does(deep, monkeypatch):
+    native_runner, torch_runner = _runner(deep, int4=True), _torch_packed(deep, monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 320, (520,), generator=g).tolist()
+    states = [_start(r, prompt) for r in (native_runner, torch_runner)]
+    for _ in range(3):
+        token = int(torch.argmax(states[1].logits))
+        for r, st in zip((native_runner, torch_runner), states):
+            r.step([StepItem(st, [token], decode=True)])
+        assert F.cosine_similarity(states[0].logits, states[1].logits, dim=0) > 0.9999
 
 
 def test_torch_packs_where_the_native_kernels_are_off(tiny, monkeypatch):
