@@ -41,8 +41,9 @@ log = logging.getLogger("prefixserve.engine")
 
 GROW_TOKENS = 256  # output room reserved at admission; the KV grows (doubling) beyond it
 CHUNK_GRAIN = 64  # prompt chunks shrink in steps of this many tokens (the dense tile's rows)
-LONG_CONTEXT_KEYS = 2048  # a chunk deep in a long prompt does at most the attention work of a full one here
-SHARED_GRAIN = 16  # ... and, in a step it shares with other sessions, a quarter of that, down to this many rows
+LONG_CONTEXT_KEYS = 2048  # in a step shared with other sessions, a chunk deep in a long prompt does at most
+SHARED_GRAIN = 16  # a quarter of the attention work of a full one at this many keys, down to this many rows
+LONE_CONTEXT_KEYS = 8192  # alone in its step, at most the work of a full chunk at this many keys
 
 Emit = Callable[[str, Delta], None]
 
@@ -206,25 +207,28 @@ class EngineCore:
 
         Prompts that can finish in this step go first (their first token is what their clients wait
         for), then the others in admission order, at least `CHUNK_GRAIN` tokens for the oldest of those
-        so a long prompt never starves. A chunk's attention work (rows x keys) stays within what a
-        full chunk costs at `LONG_CONTEXT_KEYS` keys: deep into a long prompt its chunks shrink (to one
-        grain at the least), so a step, and whoever waits for it, stays short. In a step shared with
-        decode rows or other prompts, a prompt that cannot finish does a quarter of that work (down to
-        `SHARED_GRAIN` rows): the others' tokens wait for this step, and a short request arriving
-        during a long prefill gets its first token after two short steps. Chunking never changes a bit
-        (docs/exactness.md)."""
+        so a long prompt never starves. A chunk's attention work (rows x keys) is bounded, so a step,
+        and whoever arrives during it, stays short: alone in its step, a prompt's chunk does at most
+        the work of a full chunk at `LONE_CONTEXT_KEYS` keys (shrinking, by grains, only past that);
+        in a step shared with decode rows or other prompts, a prompt that cannot finish does at most a
+        quarter of a full chunk's work at `LONG_CONTEXT_KEYS` (down to `SHARED_GRAIN` rows; one that
+        can finish, the whole of it): the others' tokens wait for this step, and a short request
+        arriving during a long prefill gets its first token after two short steps. Chunking never changes a bit (docs/exactness.md)."""
         cfg = self.config
         finishing = [s for s in prefilling if s.remaining_prompt() <= cfg.prefill_chunk_tokens]
         longer = [s for s in prefilling if s.remaining_prompt() > cfg.prefill_chunk_tokens]
         shared = budget < cfg.max_batch_tokens or len(prefilling) > 1  # decode rows, or other prompts
-        work = cfg.prefill_chunk_tokens * LONG_CONTEXT_KEYS
+        full = cfg.prefill_chunk_tokens * LONG_CONTEXT_KEYS
         plan: list[tuple[Session, int]] = []
         for s in finishing + longer:
             reserve = CHUNK_GRAIN if (longer and s in finishing) else 0
             room = min(cfg.prefill_chunk_tokens, budget - reserve)
             start = s.num_computed
             rows = room
-            grain, most = (SHARED_GRAIN, work // 4) if shared and s in longer else (CHUNK_GRAIN, work)
+            if not shared:
+                grain, most = CHUNK_GRAIN, cfg.prefill_chunk_tokens * LONE_CONTEXT_KEYS
+            else:
+                grain, most = (SHARED_GRAIN, full // 4) if s in longer else (CHUNK_GRAIN, full)
             while rows > grain and rows * (start + rows) > most:
                 rows -= grain
             if rows <= 0:

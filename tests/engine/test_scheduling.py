@@ -13,7 +13,7 @@ import torch
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import EngineCore
-from prefixserve.engine.core import CHUNK_GRAIN, LONG_CONTEXT_KEYS, SHARED_GRAIN
+from prefixserve.engine.core import CHUNK_GRAIN, LONE_CONTEXT_KEYS, LONG_CONTEXT_KEYS, SHARED_GRAIN
 from prefixserve.types import Namespace, Request, SamplingParams
 from tests.conftest import load_embedded
 
@@ -58,21 +58,25 @@ def session_of(core: EngineCore, req: Request):
 
 
 def test_a_long_prompt_alone_shrinks_its_chunks_as_its_keys_grow(monkeypatch):
+    """Alone, a prompt runs full chunks up to LONE_CONTEXT_KEYS keys (nobody waits for its steps but a
+    newcomer, for one), past that its chunks shrink by grains within that work."""
     core, rec = make_core(monkeypatch)
-    long = request(6000, 1)
+    n = 16000
+    long = request(n, 1)
     core.add(long)
     chunks: list[tuple[int, int]] = []  # (start, rows)
     done = 0
-    while done < 6000:
+    while done < n:
         core.step()
         (fed,) = rec.steps[-1].values()
         chunks.append((done, fed))
         done += fed
-    assert chunks[0][1] == CHUNK
     for start, rows in chunks[:-1]:
         assert rows % CHUNK_GRAIN == 0 and rows >= CHUNK_GRAIN
-        assert rows == CHUNK_GRAIN or rows * (start + rows) <= CHUNK * LONG_CONTEXT_KEYS
-    assert chunks[-2][1] == CHUNK_GRAIN  # deep in the prompt: one grain a step
+        assert rows * (start + rows) <= CHUNK * LONE_CONTEXT_KEYS
+        if (start + CHUNK) <= LONE_CONTEXT_KEYS:
+            assert rows == CHUNK  # full chunks while within the lone work
+    assert chunks[-2][1] == CHUNK - 2 * CHUNK_GRAIN  # deep in the prompt: shrunk
 
 
 def test_a_short_prompt_arriving_mid_prefill_finishes_in_the_next_step(monkeypatch):
