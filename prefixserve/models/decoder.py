@@ -227,7 +227,7 @@ class Decoder:
         plan = self.native_decode_plan() if nd or self.prefill_q4 or self.amx else None
         if nd and plan is not None:
             decoded = native_decode.decode_rows(self, plan, token_ids[:nd], segments[:leading])
-            if num_rows == nd:  # every row decoded in that one call: the layer loop below would do nothing
+            if decoded is not None and num_rows == nd:  # every row decoded in one call: the loop below would do nothing
                 return decoded[[i for i, s in enumerate(segments) if s.want_logits]]
         positions = torch.zeros(total, dtype=torch.long, device=self.device)
         positions[:num_rows] = torch.cat(

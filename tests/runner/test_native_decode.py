@@ -262,3 +262,17 @@ def test_native_prefill_computes_what_the_tiles_do(tiny, monkeypatch, matmuls):
     assert F.cosine_similarity(native_state.logits, tile_state.logits, dim=0) > 0.9999
     k_native, k_tile = native_state.kv[..., :100, :].float(), tile_state.kv[..., :100, :].float()
     assert F.cosine_similarity(k_native.flatten(), k_tile.flatten(), dim=0) > 0.9999
+
+
+def test_a_decode_step_the_native_call_could_not_run_takes_the_torch_path(tiny, monkeypatch):
+    """decode_rows returns None when decode.c cannot have its scratch: the step still gives each row
+    its logits (the per-layer formulation on the same packs), close to what the native call gives."""
+    r = _runner(tiny, int4=True)
+    prompt = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    native_st, fallback_st = _start(r, prompt), _start(r, prompt)
+    token = int(torch.argmax(native_st.logits))
+    r.step([StepItem(native_st, [token], decode=True)])
+    monkeypatch.setattr(native_decode, "decode_rows", lambda *a, **k: None)
+    r.step([StepItem(fallback_st, [token], decode=True)])
+    assert fallback_st.logits is not None and fallback_st.num_tokens == native_st.num_tokens
+    assert F.cosine_similarity(fallback_st.logits, native_st.logits, dim=0) > 0.9999
