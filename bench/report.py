@@ -140,6 +140,21 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
                 note=_token_count_note(ours, peer, key),
             )
         )
+    deep = plan.get("deep_decode_prompt_len")
+    if deep:
+        key = f"decode_deep_{deep}"
+        rows.append(
+            _row(
+                f"Single-stream decode after a {deep}-tok system prompt (cached), max_tokens={plan['deep_decode_max_tokens']}",
+                "tok/s",
+                ours,
+                peer,
+                key,
+                lambda r: r["decode_tokens_per_s"],
+                None,
+                note=_token_count_note(ours, peer, key),
+            )
+        )
     for num_clients in plan["concurrency_levels"]:
         key = f"concurrency_{num_clients}"
         # issue #12's target against llama-server (3x was set against the one-slot Python server)

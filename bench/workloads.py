@@ -41,6 +41,8 @@ class BenchPlan:
     long_runs: int = 2
     short_clients: int = 3  # clients sending short cold requests, one after another, during the long prefill
     short_prompt_len: int = 100
+    deep_decode_prompt_len: int = 4000  # single-stream decode again, after a long (cached) system prompt
+    deep_decode_max_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.num_runs < 1 or self.concurrency_rounds < 1 or self.long_runs < 0:
@@ -53,7 +55,8 @@ class BenchPlan:
         concurrency = 1 + self.concurrency_rounds * sum(self.concurrency_levels)
         contended = self.num_runs + (1 + self.num_runs)
         long = 2 * self.long_runs  # the short requests are not counted: how many fit is measured
-        return num_lens * per_len + len(self.decode_max_tokens) * self.num_runs + concurrency + contended + long
+        decode = (len(self.decode_max_tokens) + 1) * self.num_runs + 1
+        return num_lens * per_len + decode + concurrency + contended + long
 
 
 # ---------------------------------------------------------------- workloads
@@ -87,6 +90,7 @@ def suite_steps(plan: BenchPlan, prompts: PromptFactory) -> list[tuple[str, Step
              lambda c, s, t, n=n: partial_ttft(c, plan, prompts, n, s, t, interleaved=True)),
         ]
     steps += [(f"decode {m}", lambda c, s, t, m=m: decode(c, plan, m, s, t)) for m in plan.decode_max_tokens]
+    steps += [("decode after a long prompt", lambda c, s, t: deep_decode(c, plan, prompts, s, t))]
     steps += [
         ("concurrency", lambda c, s, t: concurrency(c, plan, prompts, s, t)),
         ("contended", lambda c, s, t: contended(c, plan, prompts, s, t)),
@@ -218,6 +222,20 @@ async def decode(
     messages = [{"role": "user", "content": DECODE_PROMPT}]
     for _ in range(plan.num_runs):
         suite.add(f"decode_{max_tokens}", await client.chat(messages, max_tokens))
+        tick(1)
+
+
+async def deep_decode(
+    client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
+) -> None:
+    """Single-stream decode with `deep_decode_prompt_len` tokens of context before the answer: every
+    token attends to all of them (the request repeats, so its prompt is cached after the first)."""
+    n = plan.deep_decode_prompt_len
+    system = prompts.system_prompt(n, f"{plan.run_tag}-deep{n}")
+    suite.add(f"seed_decode_deep_{n}", await client.chat(_messages(system, DECODE_PROMPT), 4))
+    tick(1)
+    for _ in range(plan.num_runs):
+        suite.add(f"decode_deep_{n}", await client.chat(_messages(system, DECODE_PROMPT), plan.deep_decode_max_tokens))
         tick(1)
 
 
