@@ -90,9 +90,13 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         return
     if not core.exact_reuse or core.cache.config.max_bytes == 0:
         return
+    ns = s.request.namespace
     if core.runner.decoder.decode_matches_prefill:
-        if st.num_tokens > s.prompt_len:
-            ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
-            store(core, s.request.namespace, ids, st)
+        ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
+        if st.num_tokens > s.prompt_len and core.cache.get(ns, ids) is None:
+            store(core, ns, ids, st)
         return
-    core.refills.offer(s.request.namespace, tuple(s.request.prompt_ids) + tuple(s.output_ids), st, s.prompt_len)
+    turn = tuple(s.request.prompt_ids) + tuple(s.output_ids)
+    if core.cache.get(ns, turn) is not None:
+        return  # this very turn is cached (a repeated request): re-feeding it would only find it there
+    core.refills.offer(ns, turn, st, s.prompt_len)

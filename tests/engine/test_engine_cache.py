@@ -133,6 +133,48 @@ def test_next_chat_turn_hits_its_own_history(mode, think):
     assert engine.core.cache.check_integrity() is None
 
 
+@pytest.mark.parametrize("mode", ["bf16", "int4"])
+def test_a_repeated_turn_is_not_cached_again(mode, monkeypatch):
+    """The same request again (greedy: the same reply) finds its turn cached: no refill is queued
+    (4-bit decode) and no second snapshot is taken (dense), so the engine is free for the next request
+    at once; another turn still is."""
+    from prefixserve.engine import inserts
+    engine = make_engine(1 << 30, mode)
+    tok = engine.tokenizer
+    ns = Namespace("smol", "t")
+    offered: list[int] = []
+    orig_offer, orig_store = engine.core.refills.offer, inserts.store
+    monkeypatch.setattr(engine.core.refills, "offer", lambda n, ids, *a: (offered.append(len(ids)), orig_offer(n, ids, *a)))
+    monkeypatch.setattr(inserts, "store", lambda c, n, ids, st: (offered.append(len(ids)), orig_store(c, n, ids, st)))
+    ids = tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi! Who are you?"}])
+
+    async def settle():
+        for _ in range(200):
+            if not engine.core.refills:
+                return
+            await asyncio.sleep(0.05)
+
+    async def go():
+        out1, _ = await run(engine, ids, ns)
+        await settle()
+        after_first = list(offered)
+        out2, u2 = await run(engine, ids, ns)
+        await settle()
+        after_repeat = list(offered)
+        await run(engine, ids[:-3] + ids[-2:], ns)  # another prompt: its own turn is offered
+        await settle()
+        await engine.shutdown()
+        return out1, out2, u2, after_first, after_repeat, list(offered)
+
+    out1, out2, u2, after_first, after_repeat, after_other = asyncio.run(go())
+    assert out1 == out2 and u2.cached_tokens == len(ids)
+    turn_len = len(ids) + len(out1) - (0 if mode == "int4" else 1)
+    assert turn_len in after_first  # the first turn was offered (prompt + reply)
+    assert after_repeat == after_first  # the repeat offered nothing
+    assert len(after_other) > len(after_repeat)
+    assert engine.core.cache.check_integrity() is None
+
+
 def test_concurrent_sessions_share_one_entry_and_stay_exact():
     engine = make_engine(1 << 30)
     plain = make_engine(0)
