@@ -291,6 +291,15 @@ static float softmax_weights(float *sh, int64_t last) {
  * in order). A task reads whole rows of V (a thread reading only some dims of each row pulled its
  * neighbour's cache lines too), NH heads by NC 16-dim slices at a time in registers. */
 enum { PV_SEG = 256 /* keys of a P.V task; fixed, so the sums' order never depends on the threads */ };
+static inline int64_t pv_segs(int64_t keys) { return (keys + PV_SEG - 1) / PV_SEG; }
+/* out[0, hd) = (the segs sums at p, p + hd, ..., added in order) / den; p may be out (segs 1) */
+static void pv_finish(float *out, const float *p, int64_t segs, int64_t hd, float den) {
+    for (int64_t d = 0; d < hd; d += 16) {
+        vec sum = V_LOAD(p + d);
+        for (int64_t q = 1; q < segs; q++) sum = V_ADD(sum, V_LOAD(p + q * hd + d));
+        V_STORE(out + d, V_DIV(sum, V_SET1(den)));
+    }
+}
 static inline __attribute__((always_inline)) void weigh_group(const float *e, int64_t stride, int hd,
                                                                const uint16_t *v, int64_t j0, int64_t j1, int h0,
                                                                const int nh, int c0, const int nc, float *part,
@@ -398,11 +407,11 @@ static void decode_attention(step_t *s, int64_t l, int t, int T, int *local) {
     barrier(&s->bar, local, T);
     /* P.V by (row, kv head, PV_SEG keys): a row with one such stretch writes its outputs, a longer
      * one its stretches' sums (parts), added in order after a barrier */
-    int64_t nseg = (s->stride + PV_SEG - 1) / PV_SEG, pstride = nseg * hd;
+    int64_t pstride = pv_segs(s->stride) * hd;
     int any_parts = 0;
     idx = 0;
     for (int64_t r = 0; r < n; r++) {
-        int64_t keys = s->pos[r] + 1, segs = (keys + PV_SEG - 1) / PV_SEG;
+        int64_t keys = s->pos[r] + 1, segs = pv_segs(keys);
         any_parts |= segs > 1;
         for (int64_t g = 0; g < kvh; g++) {
             const int64_t *kv = s->kv + r * KV_DESC;
@@ -414,11 +423,8 @@ static void decode_attention(step_t *s, int64_t l, int t, int T, int *local) {
                 const float *e = s->scores + first * s->stride;
                 if (segs == 1) {
                     weigh_values(e, s->stride, (int)rep, (int)hd, vc, j0, j1, s->attn + first * hd, hd);
-                    for (int64_t h = 0; h < rep; h++)
-                        for (int64_t d = 0; d < hd; d += 16) {
-                            float *o = s->attn + (first + h) * hd + d;
-                            V_STORE(o, V_DIV(V_LOAD(o), V_SET1(s->den[first + h])));
-                        }
+                    for (int64_t h = first; h < first + rep; h++)
+                        pv_finish(s->attn + h * hd, s->attn + h * hd, 1, hd, s->den[h]);
                 } else {
                     weigh_values(e, s->stride, (int)rep, (int)hd, vc, j0, j1, s->parts + first * pstride + q * hd,
                                  pstride);
@@ -429,14 +435,8 @@ static void decode_attention(step_t *s, int64_t l, int t, int T, int *local) {
     if (any_parts) {
         barrier(&s->bar, local, T);
         for (int64_t i = t; i < n * s->heads; i += T) {
-            int64_t segs = (s->pos[i / s->heads] + PV_SEG) / PV_SEG;
-            if (segs == 1) continue;
-            const float *pi = s->parts + i * pstride;
-            for (int64_t d = 0; d < hd; d += 16) {
-                vec sum = V_LOAD(pi + d);
-                for (int64_t q = 1; q < segs; q++) sum = V_ADD(sum, V_LOAD(pi + q * hd + d));
-                V_STORE(s->attn + i * hd + d, V_DIV(sum, V_SET1(s->den[i])));
-            }
+            int64_t segs = pv_segs(s->pos[i / s->heads] + 1);
+            if (segs > 1) pv_finish(s->attn + i * hd, s->parts + i * pstride, segs, hd, s->den[i]);
         }
     }
     barrier(&s->bar, local, T);
@@ -552,7 +552,7 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     for (int64_t r = 0; r < n; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
     s.stride = (maxpos + 16) / 16 * 16 + 16;
     float *buf = aligned_alloc(64, (size_t)(n * (nqkv + 2 * qs + 3 * s.inter + s.hidden + s.heads * (s.stride + 1) +
-                                                 s.heads * ((s.stride + PV_SEG - 1) / PV_SEG) * s.hd) +
+                                                 s.heads * pv_segs(s.stride) * s.hd) +
                                             T * n * wide) * sizeof(float) + 64);
     if (!buf) return -1;
     float *p = buf;
@@ -564,7 +564,7 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     s.tmp = p, p += n * s.hidden;
     s.scores = p, p += n * s.heads * s.stride;
     s.den = p, p += n * s.heads;
-    s.parts = p, p += n * s.heads * ((s.stride + PV_SEG - 1) / PV_SEG) * s.hd;
+    s.parts = p, p += n * s.heads * pv_segs(s.stride) * s.hd;
     s.xs = p, p += T * n * wide;
     /* run_team settles the member count before any member starts (fewer where a worker could not be
      * created), so every barrier waits for the members that run */
