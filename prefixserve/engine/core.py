@@ -213,7 +213,8 @@ class EngineCore:
         in a step shared with decode rows or other prompts, a prompt that cannot finish does at most a
         quarter of a full chunk's work at `LONG_CONTEXT_KEYS` (down to `SHARED_GRAIN` rows; one that
         can finish, the whole of it): the others' tokens wait for this step, and a short request
-        arriving during a long prefill gets its first token after two short steps. Chunking never changes a bit (docs/exactness.md)."""
+        arriving during a long prefill gets its first token after two short steps. Chunking never
+        changes a bit (docs/exactness.md)."""
         cfg = self.config
         finishing = [s for s in prefilling if s.remaining_prompt() <= cfg.prefill_chunk_tokens]
         longer = [s for s in prefilling if s.remaining_prompt() > cfg.prefill_chunk_tokens]

@@ -90,13 +90,15 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         return
     if not core.exact_reuse or core.cache.config.max_bytes == 0:
         return
-    ns = s.request.namespace
-    if core.runner.decoder.decode_matches_prefill:
-        ids = tuple(s.request.prompt_ids) + tuple(s.output_ids[: st.num_tokens - s.prompt_len])
-        if st.num_tokens > s.prompt_len and core.cache.get(ns, ids) is None:
-            store(core, ns, ids, st)
+    dense = core.runner.decoder.decode_matches_prefill
+    if dense and st.num_tokens <= s.prompt_len:
         return
-    turn = tuple(s.request.prompt_ids) + tuple(s.output_ids)
+    # dense: the state as it is (the reply's last token was never fed); 4-bit: the whole turn, re-fed
+    reply = s.output_ids[: st.num_tokens - s.prompt_len] if dense else s.output_ids
+    ns, turn = s.request.namespace, tuple(s.request.prompt_ids) + tuple(reply)
     if core.cache.get(ns, turn) is not None:
-        return  # this very turn is cached (a repeated request): re-feeding it would only find it there
-    core.refills.offer(ns, turn, st, s.prompt_len)
+        return  # this very turn is cached (a repeated request): a copy or a re-feed would only find it there
+    if dense:
+        store(core, ns, turn, st)
+    else:
+        core.refills.offer(ns, turn, st, s.prompt_len)
