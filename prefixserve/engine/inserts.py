@@ -7,6 +7,7 @@ and Redis tiers. Finished turns decoded with 4-bit rows are re-fed first (engine
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prefixserve.cache import Hit, Miss
@@ -71,8 +72,15 @@ def insert(core: EngineCore, s: Session, num_tokens: int) -> None:
 
 def store(core: EngineCore, ns: Namespace, key: tuple[int, ...], state: SessionState) -> None:
     """Cache `state`'s first len(key) tokens (shared pieces in RAM, write-through to disk and Redis)."""
+    for _ in store_steps(core, ns, key, state):
+        pass
+
+
+def store_steps(core: EngineCore, ns: Namespace, key: tuple[int, ...], state: SessionState) -> Iterator[None]:
+    """`store`, pausing after each piece compared or copied (a background turn refill, engine/refill.py);
+    `state` must not change until it ends. The entry goes in at the end, in one step."""
     # piece edges at the cached entries on this key's path: their pieces are shared, not copied
-    snap = core.pieces.snapshot(state, key, ns, core.cache.entry_lengths(ns, key))
+    snap = yield from core.pieces.snapshot_steps(state, key, ns, core.cache.entry_lengths(ns, key))
     if core.cache.insert(ns, key, snap).stored:  # hybrid snapshots too: the codec carries their recurrent part
         for tier in (core.disk, core.shared):  # write-through, on each tier's writer thread
             if tier is not None:

@@ -3,8 +3,9 @@
 A 4-bit decoded token's KV has other bits than prefilling it would give (docs/exactness.md), so a
 finished turn's own state is not offered to the cache. Its state is cut back to the exact prompt and
 the reply re-fed in prefill chunks, off the serving path: only while the engine has nothing else to
-do, one layer at a time between its loop's turns, so a request arriving meanwhile waits one layer
-(a few ms), never a whole forward. When the chat's next message arrives first, its admission finishes
+do, one layer at a time between its loop's turns, then stored one piece at a time (a bitwise compare
+with the prompt's cached piece, or a copy), so a request arriving meanwhile waits one layer or one
+piece (about a millisecond each for the embedded model), never a whole forward or a whole store. When the chat's next message arrives first, its admission finishes
 the refill at once (the request would compute those tokens itself) and is billed for them as
 computed, not cached.
 """
@@ -20,7 +21,7 @@ from prefixserve.types import Namespace
 
 MAX_PENDING_REFILLS = 8  # each holds its session's KV; past this the oldest is dropped
 
-Store = Callable[[Namespace, tuple[int, ...], SessionState], None]
+Store = Callable[[Namespace, tuple[int, ...], SessionState], Iterator[None]]  # a store, paused per piece
 
 
 class TurnRefills:
@@ -29,9 +30,10 @@ class TurnRefills:
     def __init__(self, runner: ModelRunner, chunk_tokens: int, store: Store) -> None:
         self.runner = runner
         self.chunk_tokens = chunk_tokens
-        self.store = store  # caches a finished refill's state (the engine's insert path)
+        self.store = store  # caches a finished refill's state (the engine's insert path), a piece a call
         self._queue: deque[TurnRefill] = deque()
-        self._job: tuple[TurnRefill, Iterator[None]] | None = None  # the chunk under way, paused between layers
+        # the work under way, paused between layers (a chunk) or between pieces (the store, when True)
+        self._job: tuple[TurnRefill, Iterator[None], bool] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -49,29 +51,31 @@ class TurnRefills:
         if len(self._queue) > MAX_PENDING_REFILLS:
             oldest = self._queue.popleft()
             if self._job is not None and self._job[0] is oldest:
-                self._job = None  # its paused forward is closed with it: nothing writes the state any more
+                self._job = None  # its paused forward or store is closed with it: nothing uses the state any more
             self.runner.recycle(oldest.state)
 
     def run_layer(self) -> None:
-        """Run one layer of the oldest refill's next chunk (starting the chunk if none is under way);
-        when a chunk ends, store the refill once it covers its whole turn."""
+        """Run one layer of the oldest refill's next chunk (starting the chunk if none is under way),
+        or, once the refill covers its whole turn, one piece of its store; a stored refill leaves the
+        queue and its KV buffer goes back to the pool."""
         if self._job is None:
             r = self._queue[0]
             start = r.state.num_tokens
             end = min(len(r.token_ids), start + self.chunk_tokens)
             # no logits: the next turn always extends the entry, so they could never serve a full hit
-            self._job = (r, self.runner.step_layers([StepItem(r.state, r.token_ids[start:end], want_logits=False)]))
-        r, layers = self._job
+            self._job = (r, self.runner.step_layers([StepItem(r.state, r.token_ids[start:end], want_logits=False)]), False)
+        r, steps, storing = self._job
         try:
-            next(layers)
+            next(steps)
             return
         except StopIteration:
             pass
         self._job = None
-        if r.state.num_tokens == len(r.token_ids):
+        if storing:
             self._queue.remove(r)
-            self.store(r.namespace, r.token_ids, r.state)
             self.runner.recycle(r.state)  # the cache copied what it keeps
+        elif r.state.num_tokens == len(r.token_ids):
+            self._job = (r, self.store(r.namespace, r.token_ids, r.state), True)
 
     def owns(self, state: SessionState) -> bool:
         """Whether `state` is a pending refill's (handed over by `offer`)."""
@@ -88,7 +92,7 @@ class TurnRefills:
             if r.namespace != ns or len(prompt_ids) <= n or prompt_ids[: n + 1] != r.token_ids[: n + 1]:
                 continue
             if self._job is not None and self._job[0] is not r:
-                while self._job is not None:  # another refill's chunk is under way: finish it first
+                while self._job is not None:  # another refill's chunk or store is under way: finish it first
                     self.run_layer()
             self._queue.remove(r)
             self._queue.appendleft(r)

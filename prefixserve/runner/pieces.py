@@ -17,7 +17,7 @@ import itertools
 import logging
 import weakref
 from array import array
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Generator, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
@@ -52,13 +52,29 @@ class PieceStore:
         piece edges at `splits` (those outside (0, n) are ignored). Logits only at the state's end.
         Does not mutate `state`. A state that is not truncatable is snapshotted at its own length only:
         its KV as shared pieces if it offers `snapshot_of` (runner/hybrid_state.py), else whole."""
+        steps = self.snapshot_steps(state, token_ids, scope, splits, with_logits)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def snapshot_steps(self, state: SessionState, token_ids: Sequence[int], scope: Hashable,
+                       splits: Iterable[int] = (), with_logits: bool = True) -> Generator[None, None, KVSnapshot]:
+        """`snapshot`, pausing after each piece (a compare or a copy, ~1 ms for 64 tokens of the
+        embedded model's KV): a background turn refill stores its turn this way between the engine's
+        steps (engine/refill.py). `state` must not change until it returns. Pieces made before a
+        pause are live (held by this generator) and may be shared meanwhile; closing it early
+        drops them."""
         n = len(token_ids)
         assert 0 < n <= state.num_tokens
         snapshot_of = getattr(state, "snapshot_of", None)
         if not state.truncatable and (snapshot_of is None or n != state.num_tokens):
             return state.snapshot(n, with_logits)  # raises for a length the state does not describe
-        pieces = []
+        pieces: list[KVPiece] = []
         for start, end, digest in _edges(token_ids, self.piece_tokens, splits):
+            if pieces:
+                yield
             pieces.append(self._piece(state, (scope, digest, start), start, end))
         logits = state.logits.clone() if (with_logits and n == state.num_tokens and state.logits is not None) else None
         if not state.truncatable:

@@ -195,3 +195,39 @@ def test_concurrent_sessions_share_one_entry_and_stay_exact():
     for (out, u), (ref_out, _) in zip(many, refs):
         assert u.cached_tokens > 500
         assert out == ref_out
+
+
+def test_a_turn_refill_stores_its_turn_a_piece_at_a_time():
+    """A finished 4-bit turn's refill stores the turn between the engine's steps one piece per call
+    (a bitwise compare with the prompt's cached piece, or a copy), not in one call that grows with
+    the turn (measured in the server: 48 ms for a 4,000-token turn, 97 ms for 8,000), so a request
+    arriving meanwhile waits one piece. The entry goes in with the last piece, and it is the state a
+    fresh prefill of the turn gives."""
+    from prefixserve.engine import inserts
+    from prefixserve.runner.pieces import PIECE_TOKENS, piece_edges
+
+    model, runner = load_embedded("int4")
+    cache = PrefixCache(CacheConfig(max_bytes=1 << 30))
+    core = EngineCore(runner, model.tokenizer, cache, EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256),
+                      2048, lambda r, d: None)
+    ns = Namespace("smol", "t")
+    ids = model.tokenizer.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}])
+    turn = tuple(ids) + tuple(ids[10:22])  # prompt + a 12-token "reply"
+    st = runner.new_state(len(turn))
+    runner.prefill(st, list(ids), 128)
+    inserts.store(core, ns, tuple(ids), st)  # the prompt's entry, as after its first token
+    num_pieces = len(piece_edges(len(turn), PIECE_TOKENS, cache.entry_lengths(ns, turn)))
+    core.refills.offer(ns, turn, st, len(ids))
+    store_calls = 0
+    while core.refills:
+        assert cache.lookup(ns, turn + (0,)).num_cached_tokens == len(ids)  # not in before the last piece
+        full = st.num_tokens == len(turn)  # the re-fed reply is in: what is left is the store
+        core.refills.run_layer()
+        store_calls += full
+    assert num_pieces > 5 and store_calls == num_pieces
+    hit = cache.lookup(ns, turn + (0,))
+    assert hit.num_cached_tokens == len(turn)
+    fresh = runner.new_state()
+    runner.prefill(fresh, list(turn), 128)
+    assert torch.equal(hit.entry.state.restore(len(turn), 0).kv[:, :, :, : len(turn)], fresh.kv[:, :, :, : len(turn)])
+    assert cache.check_integrity() is None

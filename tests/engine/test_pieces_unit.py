@@ -54,6 +54,40 @@ def test_a_piece_with_other_bits_is_never_shared() -> None:
     assert same_bits(torch.tensor([1.5]), torch.tensor([1.5]))
 
 
+def test_a_snapshot_in_steps_pauses_per_piece_and_gives_the_same_snapshot() -> None:
+    """`snapshot_steps` (a background refill's store) pauses between pieces, so what waits behind it
+    waits one piece, not a whole long turn; it ends with the snapshot `snapshot` makes, sharing the
+    same live pieces; closed early, it leaves nothing live."""
+    st = state_of(300)
+    ids = list(range(300))
+    store = PieceStore(64)
+    prompt = store.snapshot(st, ids[:200], "ns")
+    steps = store.snapshot_steps(st, ids, "ns", splits=[200])
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+            pauses += 1
+        except StopIteration as done:
+            turn = done.value
+            break
+    assert [(p.start, p.end) for p in turn.pieces] == [(0, 64), (64, 128), (128, 192), (192, 200), (200, 256), (256, 300)]
+    assert pauses == len(turn.pieces) - 1  # one piece a call
+    assert all(turn.pieces[i].kv is prompt.pieces[i].kv for i in range(4)) and store.num_shared == 4
+    assert turn.has_logits and torch.equal(turn.restore(300, 0).kv[:, :, :, :300], st.kv[:, :, :, :300])
+    del prompt, turn
+    gc.collect()
+    assert len(store._live) == 0
+    abandoned = store.snapshot_steps(state_of(300, seed=3), ids, "other")
+    next(abandoned)
+    next(abandoned)  # two pieces made, live while the paused store holds them
+    assert len(store._live) == 2
+    abandoned.close()
+    del abandoned
+    gc.collect()
+    assert len(store._live) == 0
+
+
 def test_codec_round_trip_is_bitwise() -> None:
     from prefixserve.runner.codec import SnapshotCodec
 
