@@ -104,8 +104,8 @@ def offer_turn(core: EngineCore, s: Session) -> None:
     # dense: the state as it is (the reply's last token was never fed); 4-bit: the whole turn, re-fed
     reply = s.output_ids[: st.num_tokens - s.prompt_len] if dense else s.output_ids
     ns, turn = s.request.namespace, tuple(s.request.prompt_ids) + tuple(reply)
-    if core.cache.get(ns, turn) is not None:
-        return  # this very turn is cached (a repeated request): a copy or a re-feed would only find it there
+    if core.cache.get(ns, turn) is not None or core.refills.holds(ns, turn):
+        return  # this very turn is cached or on its way (a repeated request): a copy or a re-feed would only find it there
     if dense:
         store(core, ns, turn, st)
     else:

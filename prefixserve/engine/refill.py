@@ -77,6 +77,10 @@ class TurnRefills:
         elif r.state.num_tokens == len(r.token_ids):
             self._job = (r, self.store(r.namespace, r.token_ids, r.state), True)
 
+    def holds(self, ns: Namespace, token_ids: tuple[int, ...]) -> bool:
+        """Whether this very turn is pending (the same request again, finished before its refill ran)."""
+        return any(r.namespace == ns and r.token_ids == token_ids for r in self._queue)
+
     def owns(self, state: SessionState) -> bool:
         """Whether `state` is a pending refill's (handed over by `offer`)."""
         return any(r.state is state for r in self._queue)

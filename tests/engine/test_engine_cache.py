@@ -231,3 +231,35 @@ def test_a_turn_refill_stores_its_turn_a_piece_at_a_time():
     runner.prefill(fresh, list(turn), 128)
     assert torch.equal(hit.entry.state.restore(len(turn), 0).kv[:, :, :, : len(turn)], fresh.kv[:, :, :, : len(turn)])
     assert cache.check_integrity() is None
+
+
+def test_a_repeated_turn_pending_its_refill_is_not_queued_again(monkeypatch):
+    """The same request again before the first one's refill ran (back to back, 4-bit decode): its
+    turn is on its way to the cache, so it is not queued a second time (each copy re-feeds the reply
+    over the whole prompt and compares every piece, background work that a request arriving
+    meanwhile waits behind); the turn is cached once the one refill has run."""
+    engine = make_engine(1 << 30, "int4")
+    tok = engine.tokenizer
+    ns = Namespace("smol", "t")
+    offered: list[int] = []
+    orig_offer = engine.core.refills.offer
+    monkeypatch.setattr(engine.core.refills, "offer", lambda n, ids, *a: (offered.append(len(ids)), orig_offer(n, ids, *a)))
+    monkeypatch.setattr(engine.core, "background", lambda: False)  # the refill waits until released
+    ids = tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi! Who are you?"}])
+
+    async def go():
+        out = [await run(engine, ids, ns) for _ in range(3)]
+        pending = len(engine.core.refills)
+        monkeypatch.undo()
+        for _ in range(200):
+            if not engine.core.refills:
+                break
+            await asyncio.sleep(0.05)
+        await engine.shutdown()
+        return out, pending
+
+    out, pending = asyncio.run(go())
+    assert out[0][0] == out[1][0] == out[2][0]
+    assert offered == [len(ids) + len(out[0][0])] and pending == 1
+    assert engine.core.cache.lookup(ns, tuple(ids) + tuple(out[0][0]) + (0,)).num_cached_tokens == len(ids) + len(out[0][0])
+    assert engine.core.cache.check_integrity() is None
