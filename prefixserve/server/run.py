@@ -277,8 +277,8 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: soc
     socket already bound to (host, port) (`bind_socket`); None binds here."""
     import uvicorn
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=5
+    config = uvicorn.Config(  # the access log line comes from server/middleware.py, after the response
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=5, access_log=False
     )
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal it shut down for once it is done; by then the work is drained, so

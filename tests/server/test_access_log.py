@@ -1,0 +1,84 @@
+"""The access log line (server/middleware.py): uvicorn's fields, written once the response has
+ended (uvicorn wrote it before the response's first bytes, on every request's way to its first token),
+with the status the app sent, or 500 when the app raised before sending one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from prefixserve.server.metrics import ServerMetrics
+from prefixserve.server.middleware import RequestCounter
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+         "query_string": b"a=1", "http_version": "1.1", "client": ("127.0.0.1", 5000), "headers": []}
+
+
+def serve(app: Any) -> list[tuple[str, Any]]:
+    """Run `app` behind the middleware; the messages sent and the access lines logged, in order."""
+    seen: list[tuple[str, Any]] = []
+
+    class Spy(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(("log", record.getMessage()))
+
+    log = logging.getLogger("prefixserve.access")
+    spy, level = Spy(), log.level
+    log.addHandler(spy)
+    log.setLevel(logging.INFO)
+
+    async def send(message: Any) -> None:
+        seen.append(("sent", message["type"]))
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    try:
+        asyncio.run(RequestCounter(app, ServerMetrics())(dict(SCOPE), receive, send))
+    except RuntimeError as e:  # re-raised to uvicorn, which answers the 500 itself
+        seen.append(("raised", str(e)))
+    finally:
+        log.removeHandler(spy)
+        log.setLevel(level)
+    return seen
+
+
+def test_the_access_line_follows_the_response() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    assert serve(app) == [("sent", "http.response.start"), ("sent", "http.response.body"),
+                          ("sent", "http.response.body"),
+                          ("log", '127.0.0.1:5000 - "POST /v1/chat/completions?a=1 HTTP/1.1" 201 Created')]
+
+
+def test_an_app_that_raised_is_logged_as_a_500() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("boom")
+
+    assert serve(app) == [("log", '127.0.0.1:5000 - "POST /v1/chat/completions?a=1 HTTP/1.1" 500 Internal Server Error'), ("raised", "boom")]
+
+
+def test_uvicorn_writes_no_access_line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixserve.server import run
+
+    captured: dict[str, Any] = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeServer:
+        def __init__(self, config: Any) -> None:
+            captured["access_log"] = config.access_log
+            raise Stop
+
+    import uvicorn
+    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    with pytest.raises(Stop):
+        run.serve_app(lambda *a: None, "127.0.0.1", 0)
+    assert captured["access_log"] is False
