@@ -24,8 +24,8 @@ class ModelConfig:
     num_threads: int | None = None  # None = torch's default
     decode_threads: int | None = None  # threads of the big matmuls and attention (models/threads.py); None = every usable core
     # decode rows' matmuls: int4 = the GGUF's 4-bit codes (bf16 CPU; 4x fewer bytes, but a decoded
-    # token's KV then differs from a prefilled one, so finished turns are not cached); dense = the
-    # same weights as prefill; auto = int4 where available
+    # token's KV then differs from a prefilled one, so a finished turn is re-fed by prefill before it is
+    # cached, engine/refill.py); dense = the same weights as prefill; auto = int4 where available
     decode_kernel: str = "auto"
     cache_dir: str | None = None  # the prepared-model cache (models/prepared.py); None = prepare at every start
     # run the start-up self-test even where a pass is recorded for this machine and build
