@@ -43,7 +43,7 @@ class SamplingParams:
     """How to pick each token. Penalties and logit_bias shift the fp32 logits before temperature
     (OpenAI's definitions); logprobs are always of the raw logits (log_softmax before any of it)."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: no token is generated (the prompt is only fed: with prompt_logprobs, scored)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -56,10 +56,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     num_logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
     constraint: Constraint | None = None
+    # None: off; k >= 0: every prompt token after the first gets its logprob given the tokens before
+    # it, and the top k (completions' echo with logprobs). The prompt is then computed, never served
+    # from the cache: a cached entry holds no logits but its last
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError("temperature must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
@@ -70,6 +74,8 @@ class SamplingParams:
             raise ValueError("penalties must be in [-2, 2]")
         if self.num_logprobs is not None and not 0 <= self.num_logprobs <= 20:
             raise ValueError("num_logprobs must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +96,8 @@ class Request:
     def __post_init__(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:
             raise ValueError(f"num_choices must be in [1, {MAX_CHOICES}]")
+        if self.sampling.max_tokens == 0 and self.num_choices > 1:
+            raise ValueError("max_tokens 0 feeds the prompt once: num_choices must be 1")
 
 
 
@@ -130,6 +138,9 @@ class Delta:
     error: str | None = None
     index: int = 0  # the choice (0 .. num_choices - 1)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    # sampling.prompt_logprobs: prompt tokens 1 .. len - 1 (the first has no context), once per choice,
+    # on a delta of its own before the choice's first token; None on every other delta
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class PromptTooLong(ValueError):

@@ -26,6 +26,7 @@ from prefixserve.runner import (
     ModelRunner,
     StepItem,
     make_generator,
+    scored_logprobs,
 )
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import (
@@ -164,7 +165,7 @@ class EngineCore:
             if s.pending_restore is not None:
                 self._restore(s)
         items: list[StepItem] = []
-        prefill_ends: list[tuple[Session, int, int]] = []
+        prefill_ends: list[tuple[Session, int, int, StepItem]] = []
         decoding: list[Session] = []
         budget = self.config.max_batch_tokens
         self.suspects = [s for s in self.suspects if s.phase is not Phase.FINISHED]
@@ -181,8 +182,11 @@ class EngineCore:
         for s, limit in self._prefill_plan([s for s in active if s.phase is Phase.PREFILL], budget):
             start, end = s.next_prefill_chunk(limit)
             assert s.state is not None  # a prefilling session was restored when it started
-            items.append(StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len))
-            prefill_ends.append((s, start, end))
+            item = StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len)
+            if (num_top := s.request.sampling.prompt_logprobs) is not None:
+                item.targets, item.num_top = s.request.prompt_ids[start + 1 : end + 1], num_top
+            items.append(item)
+            prefill_ends.append((s, start, end, item))
             self._last_step.append((s, None))
             budget -= end - start
         if items:
@@ -190,12 +194,16 @@ class EngineCore:
             self.counters.num_steps += 1
         if self.suspects and self._last_step:
             self.suspects.remove(self._last_step[0][0])  # it ran alone and passed
-        for s, start, end in prefill_ends:
+        for s, start, end, item in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
             inserts.after_chunk(self, s, end)  # a snapshot-only state's boundary and checkpoints
+            if item.scores is not None:
+                s.prompt_logprobs.extend(scored_logprobs(item.targets, item.scores))
             if end == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.to_insert.append(end)
+                if s.request.sampling.prompt_logprobs is not None:
+                    outputs.emit_prompt_logprobs(self, s)
                 self._sample(s)  # the first token goes out before the snapshot copies below
                 inserts.flush_inserts(self, s)
         for s in decoding:
@@ -256,7 +264,7 @@ class EngineCore:
             s = self.waiting.popleft()
             s.reserved_bytes = need
             self._reserved_bytes += need
-            if self.exact_reuse and self.loads.park(s):
+            if self.exact_reuse and s.request.sampling.prompt_logprobs is None and self.loads.park(s):
                 continue
             self.running.append(s)
             self._start(s)
@@ -266,8 +274,10 @@ class EngineCore:
 
     def _start(self, s: Session) -> None:
         req = s.request
-        refilled = self.refills.complete_for(req.namespace, tuple(req.prompt_ids)) if self.refills else (0, 0)
-        hit = self.cache.lookup(req.namespace, req.prompt_ids) if self.exact_reuse else None
+        # prompt logprobs need the logits of every prompt position, which no cache entry holds: computed
+        reuse = self.exact_reuse and req.sampling.prompt_logprobs is None
+        refilled = self.refills.complete_for(req.namespace, tuple(req.prompt_ids)) if self.refills and reuse else (0, 0)
+        hit = self.cache.lookup(req.namespace, req.prompt_ids) if reuse else None
         if isinstance(hit, Hit):
             self.cache.pin(hit.entry)  # held until the copy is made (now, or next step for a full hit)
             s.pending_restore = hit.entry

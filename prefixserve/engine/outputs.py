@@ -25,6 +25,9 @@ def sample_next(core: EngineCore, s: Session) -> None:
     """Sample the session's next token from its last logits; emit it, or finish the session (EOS,
     a stop string or token, the grammar's end, max_tokens, the context). The token is fed to the
     model by the next step (`Session.pending_token`)."""
+    if s.request.sampling.max_tokens == 0:  # the prompt only (fed, and scored where asked)
+        finish(core, s, FinishReason.LENGTH)
+        return
     if s.request.num_choices > 1 and not s.choices:  # n > 1: fork the others (engine/choices.py)
         for child in fork_choices(s, core.tokenizer, core.cache):
             core.running.append(child)
@@ -73,6 +76,17 @@ def sample_next(core: EngineCore, s: Session) -> None:
                                               logprobs=logprobs))
     else:
         finish(core, s, reason, text, (token,), logprobs)
+
+
+def emit_prompt_logprobs(core: EngineCore, s: Session) -> None:
+    """The prompt's logprobs, scored while it was prefilled, once for each choice (before any of
+    them samples: choices fork from this session after it)."""
+    entries = tuple(s.prompt_logprobs)
+    s.prompt_logprobs = []
+    for index in range(s.request.num_choices):
+        core.emit(s.request.request_id, Delta(text="", token_ids=(), usage=s.usage(), index=index,
+                                              prompt_logprobs=entries))
+
 
 def finish(
     core: EngineCore, s: Session, reason: FinishReason, text: str = "", token_ids: tuple[int, ...] = (),

@@ -14,7 +14,7 @@ from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner import SessionState
 from prefixserve.runner.state import KVPool
-from prefixserve.types import FinishReason, Namespace, Request, Usage
+from prefixserve.types import FinishReason, Namespace, Request, TokenLogprob, Usage
 
 
 class Snapshot(CachedState, Protocol):
@@ -73,6 +73,7 @@ class Session:
     index: int = 0  # which choice of the request (n > 1: choice 0 forks the others after the prompt)
     choices: list[Session] = field(default_factory=list)  # all choices once forked (shared list)
     matcher: TokenMatcher | None = None  # constrained decoding: where the output stands in the grammar
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far (sampling.prompt_logprobs)
 
     @property
     def prompt_len(self) -> int:

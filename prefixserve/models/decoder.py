@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from prefixserve.models import amx_tiles, int4_rows, native, native_decode
 from prefixserve.models.arch import ArchConfig
+from prefixserve.models.final_rows import Scores, logit_rows, score_segments
 from prefixserve.models.layers import (
     RopeTable,
     TilePlan,
@@ -24,6 +25,7 @@ from prefixserve.models.layers import (
     block_attention,
     dense,
     rms_norm,
+    run_through,
     tiled,
 )
 from prefixserve.models.quant import Int4Weight, int4_linear
@@ -62,6 +64,10 @@ class Segment:
     want_logits: bool = True
     decode: bool = False  # a generated token: runs the decode kernels (must precede prefill segments)
     rec: object | None = None  # recurrent layers' state (models/hybrid.py RecurrentState); None for KV-only models
+    # prompt logprobs: new row i scores targets[i] (its next token) for i < len(targets): `scores` (final_rows.py)
+    targets: torch.Tensor | None = None
+    num_top: int = 0
+    scores: Scores | None = None
 
 
 class Decoder:
@@ -188,12 +194,7 @@ class Decoder:
 
     def forward(self, token_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """token_ids: [sum(num_new)] int64, segments in the same order; see `forward_layers`."""
-        layers = self.forward_layers(token_ids, segments)
-        while True:
-            try:
-                next(layers)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return run_through(self.forward_layers(token_ids, segments))
 
     @torch.inference_mode()
     def forward_layers(self, token_ids: torch.Tensor, segments: list[Segment]) -> Generator[None, None, torch.Tensor]:
@@ -267,12 +268,8 @@ class Decoder:
                 gate, up = gu.split(a.intermediate_size, dim=-1)
                 h[g0:g1] = hg + self._matmul("down", F.silu(gate) * up, lw.down, None, lw.down_q4, real)
             yield
-        last_rows: list[int] = []
-        offset = 0
-        for s in segments:
-            offset += s.num_new
-            if s.want_logits:
-                last_rows.append(offset - 1)
+        score_segments(segments, h, self._logits)
+        last_rows = logit_rows(segments)
         if decoded is not None:  # decode rows lead: row i is segment i
             rest = [r for r in last_rows if r >= nd]
             mine = decoded[[r for r in last_rows if r < nd]]
@@ -347,3 +344,4 @@ class Decoder:
                 [s.start for _, s in singles],
             )
         return out
+

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from prefixserve.models import native
 from prefixserve.models.decoder import Decoder, Segment
+from prefixserve.models.final_rows import logit_rows, score_segments
 from prefixserve.models.gated_delta import CELL, conv_silu, delta_cell, l2norm
 from prefixserve.models.hybrid_arch import HybridConfig
 from prefixserve.models.layers import RopeTable, TilePlan, apply_rope, tiled
@@ -159,15 +160,16 @@ class HybridDecoder:
                 x = rms_norm_zc(h[g0:g1], lw.post_norm, a.rms_eps)
                 gate, up = F.linear(x, lw.gate_up).split(a.intermediate_size, dim=-1)
                 h[g0:g1] = h[g0:g1] + F.linear(F.silu(gate) * up, lw.down)
-        last_rows: list[int] = []
-        offset = 0
-        for s in segments:
-            offset += s.num_new
-            if s.want_logits:
-                last_rows.append(offset - 1)
+        score_segments(segments, h, self._logits)
+        last_rows = logit_rows(segments)
         if not last_rows:
             return torch.empty(0, a.vocab_size)
-        return tiled(h[last_rows], self.tiles.head,
+        return self._logits(h[last_rows])
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden rows, in head tiles (batch-invariant)."""
+        a = self.arch
+        return tiled(rows, self.tiles.head,
                      lambda t: F.linear(rms_norm_zc(t, self.final_norm, a.rms_eps), self.lm_head).float())
 
     def _attention_layer(self, li: int, lw: HybridLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -13,8 +13,9 @@ or the split point:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from prefixserve.models.threads import KERNEL_THREADS
 
 BLOCK = 32  # keys per attention block, aligned to absolute positions
 ATTN_TILE_TOKENS = 16  # query tokens per attention call (the last tile padded)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,16 @@ def tiled(x: torch.Tensor, plan: TilePlan, fn: Callable[[torch.Tensor], torch.Te
         offset += t
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y[:num_rows]
+
+
+def run_through(steps: Generator[None, None, T]) -> T:
+    """The value of a computation that pauses between its steps (`Decoder.forward_layers`,
+    `PieceStore.snapshot_steps`), run without pausing."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, ways: int = 1) -> torch.Tensor:

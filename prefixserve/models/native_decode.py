@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefixserve.models import amx_tiles, native
+from prefixserve.models.final_rows import logit_rows, score_segments
 from prefixserve.models.quant import Int4Weight
 from prefixserve.models.threads import KERNEL_THREADS
 
@@ -236,11 +237,8 @@ def prefill_layers(dec: Decoder, plan: DecodePlan, rows: PrefillRows, decoded: t
     for layer in range(len(dec.layers)):
         prefill_layer(plan, rows, layer)
         yield
-    wanted, offset = [], 0
-    for s in segments:
-        offset += s.num_new
-        if s.want_logits:
-            wanted.append(offset - 1)
+    score_segments(segments, rows.h, lambda x: rows_logits(plan, x), skip=nd)
+    wanted = logit_rows(segments)
     mine = [r - nd for r in wanted if r >= nd]
     out = rows_logits(plan, rows.h[mine]) if mine else torch.empty(0, dec.arch.vocab_size)
     if decoded is not None:

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import torch
 
+from prefixserve.models.layers import run_through
 from prefixserve.runner.hybrid_state import HybridSnapshot
 from prefixserve.runner.state import KVPiece, KVSnapshot, SessionState
 
@@ -52,12 +53,7 @@ class PieceStore:
         piece edges at `splits` (those outside (0, n) are ignored). Logits only at the state's end.
         Does not mutate `state`. A state that is not truncatable is snapshotted at its own length only:
         its KV as shared pieces if it offers `snapshot_of` (runner/hybrid_state.py), else whole."""
-        steps = self.snapshot_steps(state, token_ids, scope, splits, with_logits)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return run_through(self.snapshot_steps(state, token_ids, scope, splits, with_logits))
 
     def snapshot_steps(self, state: SessionState, token_ids: Sequence[int], scope: Hashable,
                        splits: Iterable[int] = (), with_logits: bool = True) -> Generator[None, None, KVSnapshot]:

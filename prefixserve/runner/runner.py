@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.models.decoder import Decoder, Segment
+from prefixserve.models.final_rows import Scores
 from prefixserve.runner.state import KVPool, SessionState
 
 
@@ -19,6 +20,11 @@ class StepItem:
     token_ids: Sequence[int]
     want_logits: bool = True
     decode: bool = False  # one generated token (decode kernels); False = prompt tokens (prefill kernels)
+    # prompt logprobs: token_ids[i] is scored on targets[i] (the token after it), for the first
+    # len(targets) of them, with the `num_top` most likely; the step leaves them in `scores`
+    targets: Sequence[int] = ()
+    num_top: int = 0
+    scores: Scores | None = None
 
 
 class ModelRunner:
@@ -70,8 +76,12 @@ class ModelRunner:
         for it in items:
             assert len(it.token_ids) > 0 and (not it.decode or len(it.token_ids) == 1)
             it.state.reserve(it.state.num_tokens + len(it.token_ids))
+            assert len(it.targets) <= len(it.token_ids) and not (it.decode and it.targets)
             segments.append(Segment(it.state.num_tokens, len(it.token_ids), it.state.kv, it.want_logits, it.decode,
                                     getattr(it.state, "rec", None)))
+            if it.targets:
+                segments[-1].targets = torch.tensor(list(it.targets), dtype=torch.long, device=self.decoder.device)
+                segments[-1].num_top = it.num_top
         ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.decoder.device)
         layered = getattr(self.decoder, "forward_layers", None)
         if layered is not None:
@@ -80,7 +90,8 @@ class ModelRunner:
             out = self.decoder.forward(ids, segments)
         logits = out.clone()  # a normal tensor, not an inference tensor
         row = 0
-        for it in items:
+        for it, seg in zip(items, segments, strict=True):
+            it.scores = seg.scores
             it.state.num_tokens += len(it.token_ids)
             if it.want_logits:
                 it.state.logits = logits[row].cpu() if logits.device.type != "cpu" else logits[row]

@@ -74,3 +74,10 @@ def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLog
         values, ids = torch.topk(lp, num_top)  # sorted, largest first
         top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token_id=token_id, logprob=float(lp[token_id]), top=top)
+
+
+def scored_logprobs(targets: Sequence[int], scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[TokenLogprob]:
+    """A prefill step's prompt logprobs (models/final_rows.py score_rows) as one TokenLogprob per target."""
+    lps, ids, tops = (t.tolist() for t in scores)
+    return [TokenLogprob(token_id=t, logprob=v, top=tuple(zip(i, p, strict=True)))
+            for t, v, i, p in zip(targets, lps, ids, tops, strict=True)]

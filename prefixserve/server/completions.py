@@ -3,8 +3,11 @@
 The prompt is a string, a list of token ids, or a list of up to 16 of either: prompt k's choices are
 k * n .. k * n + n - 1 and `usage` sums the prompts (server/multi.py). `n` choices share one prefill; `best_of` > n
 samples best_of choices and returns the n with the highest cumulative logprob (not streamed, as
-OpenAI); `echo` puts the prompt's text before each choice; `suffix` needs fill-in-the-middle tokens,
-which no model served here has (400).
+OpenAI); `echo` puts the prompt's text before each choice, and with `logprobs` the prompt's tokens lead the
+choice's logprobs (the first with null, as OpenAI): the prompt is then computed, not served from the
+cache, whose entries keep no logits but their last. `max_tokens` 0 with `echo` returns the prompt
+alone (scoring a text: the loglikelihood requests of evaluation harnesses). `suffix` needs
+fill-in-the-middle tokens, which no model served here has (400).
 """
 
 from __future__ import annotations
@@ -45,25 +48,30 @@ def prepare_completion(
         raise bad_request("best_of > n cannot be streamed", "best_of")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+    if body.max_tokens == 0 and best_of > 1:
+        raise bad_request("max_tokens 0 returns the prompt once: n and best_of must be 1", "n")
     if body.suffix:
         raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
     keyed = None if memo is None else (memo, params.namespace(engine.model_id, tenant_id, salt))
     prompts = prompts_token_ids(body.prompt, engine, keyed)
     for ids in prompts:
         check_fits(len(ids), engine.max_model_len)
-    if len(prompts) > 1 and (best_of > n or body.echo):
-        raise bad_request("best_of > n and echo need a single prompt", "best_of" if best_of > n else "echo")
+    if len(prompts) > 1 and best_of > n:
+        raise bad_request("best_of > n needs a single prompt", "best_of")
     prompt_ids = prompts[0]
     num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
     sampling = params.sampling_params(body, body.max_tokens, min(COMPLETION_MAX_TOKENS, default_max_tokens),
                                       engine.max_model_len, max(len(ids) for ids in prompts),
-                                      engine.vocab_size, num_logprobs)
+                                      engine.vocab_size, num_logprobs,
+                                      prompt_logprobs=body.logprobs if body.echo else None,
+                                      zero_tokens_ok=bool(body.echo))
     shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
                             fingerprint=engine.health().fingerprint,
                             logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
-                            prefix=engine.tokenizer.decode(prompt_ids) if body.echo else "")
+                            echo=tuple((engine.tokenizer.decode(ids), ids[0]) for ids in prompts) if body.echo else (),
+                            per_prompt=best_of)
     first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
     more = tuple(replace(first.request, request_id=f"{shape.id}-{k}", prompt_ids=tuple(ids))
                  for k, ids in enumerate(prompts[1:], 1))

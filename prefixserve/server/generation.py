@@ -103,6 +103,8 @@ async def _collect(
         choice = choices[delta.index]
         choice.text += delta.text
         choice.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 raise _engine_failed(tracker, delta)

@@ -48,6 +48,14 @@ class LogprobRenderer:
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def prompt(self, first_id: int, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """An echoed prompt's part of a completions choice's logprobs: `first_id` (no logprob: null, as
+        OpenAI) then `entries`, the prompt's other tokens, offsets from the start of the text."""
+        first = self.text(first_id)
+        rest = self.completion(entries, len(first))
+        return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
     def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
         item = self._item(e.token_id, e.logprob)
         item["top_logprobs"] = [self._item(i, v) for i, v in e.top]

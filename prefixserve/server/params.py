@@ -85,16 +85,18 @@ def check_logit_bias(value: dict[str, Any] | None, vocab_size: int) -> tuple[tup
 def sampling_params(
     body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int, prompt_len: int,
     vocab_size: int, num_logprobs: int | None = None, constraint: Constraint | None = None,
+    prompt_logprobs: int | None = None, zero_tokens_ok: bool = False,
 ) -> SamplingParams:
     """The engine's SamplingParams for a prompt of `prompt_len` tokens (the longest, for several).
 
     A given max_tokens must fit beside the prompt: prompt + max_tokens beyond the context is a 400
     `context_length_exceeded` (as OpenAI and vLLM answer), never a silent cut. Without one, the
-    server's `--default-max-tokens` applies, capped by the room the prompt leaves."""
+    server's `--default-max-tokens` applies, capped by the room the prompt leaves. `zero_tokens_ok`:
+    max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid."""
     room = max_model_len - prompt_len  # >= 1: the caller checked the prompt fits (check_fits)
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, room))
-    elif max_tokens < 1:
+    elif max_tokens < (0 if zero_tokens_ok else 1):
         raise bad_request("max_tokens must be at least 1", "max_tokens")
     elif max_tokens > room:
         raise bad_request(
@@ -136,6 +138,7 @@ def sampling_params(
         logit_bias=check_logit_bias(body.logit_bias, vocab_size),
         num_logprobs=num_logprobs,
         constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

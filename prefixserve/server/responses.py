@@ -39,6 +39,7 @@ class ChoiceOutput:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # completions' echo with logprobs
 
 
 @dataclass(slots=True)
@@ -52,7 +53,6 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str = ""
     logprobs: LogprobRenderer | None = None
-    prefix: str = ""  # text placed before each choice's output (completions' echo)
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         raise NotImplementedError
@@ -62,7 +62,7 @@ class Shape:
         return []
 
     def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None) -> list[dict[str, Any]]:
+               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -83,34 +83,52 @@ class Shape:
 
 @dataclass(slots=True)
 class CompletionShape(Shape):
+    """`echo`: per prompt, its text and first token id (empty: no echo); prompt k's choices are
+    k * per_prompt .. k * per_prompt + per_prompt - 1. With echo and logprobs a choice's logprobs start
+    with its prompt's tokens (the first with null logprob and top_logprobs, as OpenAI), which the
+    engine sends before the choice's first token: streamed, the echoed text goes out with them."""
+
     chunk_object = "text_completion"
+    echo: tuple[tuple[str, int], ...] = ()
+    per_prompt: int = 1
     _offsets: dict[int, int] = field(default_factory=dict)  # streaming: text_offset per choice so far
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
-        body = [{"index": c.index, "text": self.prefix + c.text,
-                 "logprobs": self._logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason}
+        body = [{"index": c.index, "text": self._prefix(c.index) + c.text,
+                 "logprobs": self._logprobs(c.index, c.logprobs, c.prompt_logprobs), "finish_reason": c.finish_reason}
                 for c in choices]
         return {**self._head("text_completion"), "choices": body, "usage": usage_dict(usage)}
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
-        if not self.prefix:
+        if not self.echo or self.logprobs is not None:  # with logprobs the text goes with the prompt's
             return []
-        return [self._chunk({"index": i, "text": self.prefix, "logprobs": None, "finish_reason": None})
+        return [self._chunk({"index": i, "text": self._prefix(i), "logprobs": None, "finish_reason": None})
                 for i in range(num_choices)]
 
     def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None) -> list[dict[str, Any]]:
-        if not text and not logprobs and finish_reason is None:
-            return []
-        return [self._chunk({"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
-                             "finish_reason": finish_reason})]
+               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+        out = []
+        if prompt_logprobs is not None and self.echo and self.logprobs is not None:
+            out.append(self._chunk({"index": index, "text": self._prefix(index),
+                                    "logprobs": self._logprobs(index, (), prompt_logprobs), "finish_reason": None}))
+        if text or logprobs or finish_reason is not None:
+            out.append(self._chunk({"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
+                                    "finish_reason": finish_reason}))
+        return out
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    def _prefix(self, index: int) -> str:
+        return self.echo[min(index // self.per_prompt, len(self.echo) - 1)][0] if self.echo else ""
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...],
+                  prompt: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        start = self._offsets.get(index, len(self.prefix))
+        start = self._offsets.get(index, len(self._prefix(index)))
         out = self.logprobs.completion(entries, start)
         self._offsets[index] = start + sum(len(t) for t in out["tokens"])
+        if prompt is not None and self.echo:
+            first = self.echo[min(index // self.per_prompt, len(self.echo) - 1)][1]
+            out = {k: v + out[k] for k, v in self.logprobs.prompt(first, prompt).items()}
         return out
 
 
@@ -134,7 +152,7 @@ class ChatShape(Shape):
         return [self._delta(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
 
     def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None) -> list[dict[str, Any]]:
+               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
         if self.tools is not None:
             text = self._stream(index).feed(text)
         out = [self._delta(index, {"content": text}, None, logprobs)] if text or logprobs else []
@@ -192,4 +210,4 @@ class Prepared:
         if self.num_returned is None or len(choices) <= self.num_returned:
             return choices
         best = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs))[: self.num_returned]
-        return [ChoiceOutput(i, c.text, c.finish_reason, c.logprobs) for i, c in enumerate(best)]
+        return [ChoiceOutput(i, c.text, c.finish_reason, c.logprobs, c.prompt_logprobs) for i, c in enumerate(best)]

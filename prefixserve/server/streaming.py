@@ -58,7 +58,8 @@ async def sse_events(
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 break
             reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason).value
-            out.extend(sse(obj) for obj in shape.chunks(delta.index, delta.text, delta.logprobs, reason))
+            chunks = shape.chunks(delta.index, delta.text, delta.logprobs, reason, delta.prompt_logprobs)
+            out.extend(sse(obj) for obj in chunks)
             if reason is not None:
                 num_left -= 1
                 if num_left == 0:

@@ -93,6 +93,10 @@ class FakeEngine:
             if cuts:  # one byte per token for ASCII prompts: cut the tokens at the stop string
                 out, reason = out[: min(cuts)], FinishReason.STOP
             k = request.sampling.num_logprobs
+            if (pk := request.sampling.prompt_logprobs) is not None:  # echo with logprobs: -1 each, once per choice
+                scored = tuple(TokenLogprob(t, -1.0, tuple((t + j, -1.0 - j) for j in range(pk))) for t in ids[1:])
+                for index in range(request.num_choices):
+                    yield Delta("", (), None, abandoned, index=index, prompt_logprobs=scored)
             for index in range(request.num_choices):  # n choices, one after the other, the same output
                 done = index * len(out)
                 for n, tok in enumerate(out, 1):

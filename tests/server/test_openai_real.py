@@ -347,7 +347,7 @@ BAD_CALLS: list[tuple[str, dict[str, Any], str | None]] = [
     ),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"prompt": ["one", "two", ""]}, "prompt"),
@@ -355,6 +355,36 @@ BAD_CALLS: list[tuple[str, dict[str, Any], str | None]] = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"stop": [""]}, "stop"),
 ]
+
+
+def test_scoring_a_prompt_as_evaluation_harnesses_do(server: ServerProcess, nocache: ServerProcess) -> None:
+    """`echo` + `logprobs` + `max_tokens` 0 on token-id prompts (lm-evaluation-harness's loglikelihood
+    request): the prompt alone, each token after the first scored. The distribution scored at the
+    last context position is, bit for bit, the one that samples the context's first token: served
+    from the cache or not, on a server with a cache or without."""
+    ctx = [(97 * i + 1000) % 40000 + 100 for i in range(180)]
+    cont = [ctx[5], ctx[9]]
+    c = client(server)
+    first = c.completions.create(model=model_id(server), prompt=ctx, max_tokens=1, temperature=0, logprobs=5)
+    again = c.completions.create(model=model_id(server), prompt=ctx, max_tokens=1, temperature=0, logprobs=5)
+    assert cached(again) == len(ctx)
+    scores = {}
+    for name, srv in (("cache", server), ("nocache", nocache)):
+        r = client(srv).completions.create(model=model_id(srv), prompt=[ctx + cont, ctx], echo=True, max_tokens=0,
+                                           logprobs=5, temperature=0)
+        assert [ch.finish_reason for ch in r.choices] == ["length", "length"]
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 2 * len(ctx) + 2 and cached(r) == 0
+        lp = r.choices[0].logprobs
+        assert lp is not None and len(lp.tokens) == len(ctx) + 2 and r.choices[0].text == "".join(lp.tokens)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert r.choices[1].logprobs is not None and r.choices[1].logprobs.tokens == lp.tokens[: len(ctx)]
+        assert r.choices[1].logprobs.token_logprobs == lp.token_logprobs[: len(ctx)]
+        scores[name] = lp
+    assert scores["cache"] == scores["nocache"]
+    at_end = scores["cache"].top_logprobs[len(ctx)]  # the 5 most likely after ctx, and cont[0]'s own entry
+    for sampled in (first, again):
+        s_lp = sampled.choices[0].logprobs
+        assert s_lp is not None and {k: at_end[k] for k in s_lp.top_logprobs[0]} == s_lp.top_logprobs[0]
 
 
 @pytest.mark.parametrize(

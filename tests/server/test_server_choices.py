@@ -66,6 +66,42 @@ def test_completion_logprobs_and_echo(client: TestClient) -> None:
     assert "".join(c["choices"][0]["text"] for c in sse(r.text) if c["choices"]) == "abab"
 
 
+def test_echo_with_logprobs_leads_each_choice_with_its_prompt(client: TestClient) -> None:
+    """OpenAI's legacy shape: the prompt's tokens first (the first with null logprob and top_logprobs),
+    then the completion's, text offsets running through the echoed text; per prompt of a list."""
+    body = {"prompt": ["ab", "xyz"], "max_tokens": 1, "echo": True, "logprobs": 1, "n": 2}
+    choices = client.post(C, json=body, headers=auth()).json()["choices"]
+    assert [(c["index"], c["text"]) for c in choices] == [(0, "aba"), (1, "aba"), (2, "xyzx"), (3, "xyzx")]
+    assert choices[0]["logprobs"] == {
+        "tokens": ["a", "b", "a"], "token_logprobs": [None, -1.0, -0.5],
+        "top_logprobs": [None, {"b": -1.0}, {"a": -0.5}], "text_offset": [0, 1, 2]}
+    assert choices[3]["logprobs"]["tokens"] == ["x", "y", "z", "x"]
+    assert choices[3]["logprobs"]["token_logprobs"] == [None, -1.0, -1.0, -0.5]
+    assert choices[3]["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    r = client.post(C, json={**body, "stream": True}, headers=auth())
+    by_index: dict[int, list[dict]] = {}
+    for c in sse(r.text):
+        if c["choices"]:
+            by_index.setdefault(c["choices"][0]["index"], []).append(c["choices"][0])
+    for i, streamed in by_index.items():
+        assert "".join(c["text"] for c in streamed) == choices[i]["text"]
+        assert streamed[0]["text"] == ("ab" if i < 2 else "xyz")  # the echo goes out with its logprobs
+        assert [t for c in streamed if c["logprobs"] for t in c["logprobs"]["tokens"]] == choices[i]["logprobs"]["tokens"]
+        assert [o for c in streamed if c["logprobs"] for o in c["logprobs"]["text_offset"]] == \
+            choices[i]["logprobs"]["text_offset"]
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone(client: TestClient) -> None:
+    r = client.post(C, json={"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 0}, headers=auth())
+    body = r.json()
+    assert body["choices"][0]["text"] == "abc" and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == 3
+    r = client.post(C, json={"prompt": "abc", "max_tokens": 0, "echo": True, "stream": True}, headers=auth())
+    chunks = [c["choices"][0] for c in sse(r.text) if c["choices"]]
+    assert "".join(c["text"] for c in chunks) == "abc" and chunks[-1]["finish_reason"] == "length"
+
+
 def test_best_of_returns_n_choices(client: TestClient) -> None:
     r = client.post(C, json={"prompt": "ab", "max_tokens": 2, "n": 2, "best_of": 4}, headers=auth())
     body = r.json()
