@@ -30,7 +30,15 @@ from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
 from prefixserve.server.prompt_memo import NotRemembered, PromptMemo
 from prefixserve.server.responses import Prepared
-from prefixserve.server.schemas import MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, parse_body
+from prefixserve.server.schemas import (
+    MAX_BODY_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from prefixserve.server.tokenize import detokenize, tokenize
 from prefixserve.server.tracking import RequestTracker
 
 logger = logging.getLogger("prefixserve.server")
@@ -121,6 +129,18 @@ def create_app(
         # tools and response_format compile grammars: the thread pool
         inline = body.tools is None and body.response_format is None
         return await _generate(request, await _prepare(prepare_chat, body, tenant_id, inline=inline))
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> dict[str, Any]:
+        keys.tenant_for_generation(authorization(request))
+        body = parse_body(await read_body(request), TokenizeRequest)
+        return await run_in_threadpool(tokenize, body, engine)  # a long text: off the event loop
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> dict[str, Any]:
+        keys.tenant_for_generation(authorization(request))
+        body = parse_body(await read_body(request), DetokenizeRequest)
+        return await run_in_threadpool(detokenize, body, engine)
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> Any:

@@ -21,7 +21,7 @@ from prefixserve.server.errors import bad_request
 from prefixserve.server.logprobs import LogprobRenderer
 from prefixserve.server.prompt_memo import PromptMemo, input_digest
 from prefixserve.server.responses import ChatShape, Prepared, new_id
-from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage
+from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from prefixserve.types import Constraint
 
 MAX_TOP_LOGPROBS = 20
@@ -81,7 +81,7 @@ def check_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def check_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]] | None:
     """The tools to render, or None (no tools, or tool_choice 'none': left out of the prompt).
     Each function's name follows OpenAI's rule and its `parameters` must be a JSON schema of an
     object that compiles."""
@@ -157,17 +157,18 @@ def _checked(constraint: Constraint, param: str) -> Constraint:
 
 
 def render_prompt(
-    engine: EngineClient, messages: list[dict[str, Any]], tool_list: list[dict[str, Any]] | None
+    engine: EngineClient, messages: list[dict[str, Any]], tool_list: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """The chat template's token ids. With tools, a template that ignores them (same ids with and
     without) gets the generic fallback of tools.py instead. A template that rejects the messages is
     the client's error (400)."""
     if tool_list is None:
-        return _render(engine, messages, None)
-    native = _render(engine, messages, tool_list)
-    if native != _render(engine, messages, None):
+        return _render(engine, messages, None, add_generation_prompt)
+    native = _render(engine, messages, tool_list, add_generation_prompt)
+    if native != _render(engine, messages, None, add_generation_prompt):
         return native
-    return _render(engine, fallback_messages(messages, tool_list), None)
+    return _render(engine, fallback_messages(messages, tool_list), None, add_generation_prompt)
 
 
 def fallback_messages(messages: list[dict[str, Any]], tool_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -234,11 +235,12 @@ def message_text(content: Any, where: str, msg: ChatMessage) -> str:
     return "\n".join(texts)
 
 
-def _render(engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def _render(engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            add_generation_prompt: bool = True) -> list[int]:
     text_len = len(json.dumps(messages, ensure_ascii=False, default=str)) + len(json.dumps(tools or [], default=str))
     check_chars(text_len, engine.max_model_len, "messages")
     try:
-        ids = engine.tokenizer.render_chat(messages, tools)
+        ids = engine.tokenizer.render_chat(messages, tools, add_generation_prompt)
     except TemplateError as e:  # the tokenizer wraps jinja errors and a template's raise_exception
         raise bad_request(f"chat template error: {e}", "messages", "template_error") from None
     if not ids:

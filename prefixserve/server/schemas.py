@@ -110,6 +110,26 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): `prompt` (as /v1/completions takes one) or `messages` (+ `tools`)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: Any = None  # str | list[int]
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool | None = None  # messages: default true, as a chat request renders them
+    add_special_tokens: bool | None = None  # only true (the default): what /v1/completions encodes
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: Any = None  # list[int]
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Bytes of a request body -> a validated model. Raises APIError(400) for invalid UTF-8, malformed
     JSON, a non-object body and type errors (the first, with its field as `param`)."""

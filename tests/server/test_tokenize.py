@@ -1,0 +1,78 @@
+"""POST /tokenize and /detokenize (fake engine): the ids are exactly those a completion or a chat
+request hands the engine (the cache's key), nothing runs, and bad input is an OpenAI-shaped 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.helpers.fake_engine import FakeEngine
+from tests.server.conftest import ADMIN, auth
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_prompt_tokenizes_to_what_a_completion_sends(client: TestClient, engine: FakeEngine) -> None:
+    r = client.post("/tokenize", json={"prompt": "héllo", "return_token_strs": True}, headers=auth())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    client.post("/v1/completions", json={"prompt": "héllo", "max_tokens": 1}, headers=auth())
+    assert body["tokens"] == list(engine.requests[-1].prompt_ids) and body["count"] == 6
+    assert body["max_model_len"] == engine.max_model_len
+    assert body["token_strs"] == [engine.tokenizer.decode([i]) for i in body["tokens"]]
+    assert client.post("/tokenize", json={"prompt": [5, 6, 7]}, headers=auth()).json()["tokens"] == [5, 6, 7]
+    assert client.post("/tokenize", json={"prompt": "x"}, headers=auth()).json()["token_strs"] is None
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_messages_tokenize_to_what_a_chat_request_sends(client: TestClient, engine: FakeEngine, tools: Any) -> None:
+    extra = {} if tools is None else {"tools": tools}
+    body = client.post("/tokenize", json={"messages": MESSAGES, **extra}, headers=auth()).json()
+    num_before = len(engine.requests)
+    client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **extra}, headers=auth())
+    assert len(engine.requests) == num_before + 1  # /tokenize ran nothing
+    assert body["tokens"] == list(engine.requests[-1].prompt_ids)
+    bare = client.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False, **extra},
+                       headers=auth()).json()
+    assert body["tokens"][: bare["count"]] == bare["tokens"] and bare["count"] < body["count"]
+
+
+def test_detokenize_round_trips(client: TestClient) -> None:
+    ids = client.post("/tokenize", json={"prompt": "round trip ✓"}, headers=auth()).json()["tokens"]
+    r = client.post("/detokenize", json={"tokens": ids}, headers=auth())
+    assert r.status_code == 200 and r.json() == {"prompt": "round trip ✓"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {}, 400, "messages"),
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt"),
+        ("/tokenize", {"prompt": ""}, 400, "prompt"),
+        ("/tokenize", {"prompt": [1, 10**6]}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         400, "tools[0].function.name"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
+        ("/detokenize", {}, 400, "tokens"),
+    ],
+)
+def test_bad_input_is_an_openai_shaped_error(client: TestClient, path: str, body: Any, status: int,
+                                             param: str) -> None:
+    r = client.post(path, json=body, headers=auth())
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and set(err) == {"message", "type", "param", "code"}
+
+
+def test_a_key_is_needed_and_the_admin_key_does_not_generate(client: TestClient) -> None:
+    assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
+    assert client.post("/detokenize", json={"tokens": [5]}, headers=auth("sk-wrong")).status_code == 401
+    assert client.post("/tokenize", json={"prompt": "a"}, headers=auth(ADMIN)).status_code == 403
