@@ -30,11 +30,13 @@ from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
 from prefixserve.server.prompt_memo import NotRemembered, PromptMemo
 from prefixserve.server.responses import Prepared
+from prefixserve.server.responses_api import prepare_response
 from prefixserve.server.schemas import (
     MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     parse_body,
 )
@@ -129,6 +131,13 @@ def create_app(
         # tools and response_format compile grammars: the thread pool
         inline = body.tools is None and body.response_format is None
         return await _generate(request, await _prepare(prepare_chat, body, tenant_id, inline=inline))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        tenant_id = keys.tenant_for_generation(authorization(request))
+        body = parse_body(await read_body(request), ResponsesRequest)
+        inline = body.tools is None and body.text is None  # grammars compile in the thread pool
+        return await _generate(request, await _prepare(prepare_response, body, tenant_id, inline=inline))
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request) -> dict[str, Any]:

@@ -110,6 +110,35 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
 
 
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (server/responses_api.py translates it to its chat request)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    input: Any = None  # str | [message, function_call or function_call_output items]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None  # extension, as on chat
+    stream: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: Any = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    cache_salt: Any = None
+    store: bool | None = None  # accepted; nothing is stored (responses say store: false)
+    truncation: str | None = None
+    # refused unless neutral: they need stored state or features this server does not have
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's shape): `prompt` (as /v1/completions takes one) or `messages` (+ `tools`)."""
 

@@ -231,6 +231,20 @@ CASES: list[Bad] = [
         param="bucket_width",
     ),
     Bad("usage-other-tenant", "/v1/usage?start_time=0&tenant_id=bob", None, method="GET", param="tenant_id"),
+    # -- the Responses API and tokenization
+    Bad("responses-no-input", "/v1/responses", {"max_output_tokens": 1}, param="input"),
+    Bad("responses-previous-id", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
+        param="previous_response_id"),
+    Bad("responses-image-part", "/v1/responses",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+        param="input[0].content[0].type"),
+    Bad("responses-max-output-too-big", "/v1/responses", {"input": "hi", "max_output_tokens": CONTEXT},
+        param="max_output_tokens"),
+    Bad("responses-hosted-tool", "/v1/responses", {"input": "hi", "tools": [{"type": "file_search"}]},
+        param="tools[0].type"),
+    Bad("tokenize-both", "/tokenize", {"prompt": "hi", "messages": MSGS}, param="prompt"),
+    Bad("tokenize-unauthenticated", "/tokenize", {"prompt": "hi"}, status=401, auth=False),
+    Bad("detokenize-outside-vocab", "/detokenize", {"tokens": [VOCAB]}, param="tokens"),
 ]
 
 # Two Authorization headers are an ambiguous credential (RFC 9110 5.3: a field that is not a list

@@ -171,3 +171,74 @@ def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess) -> None:
     result = asyncio.run(go())
     assert len(seen) == 1 and seen[0]  # the SDK parsed our tool call and ran the tool with its argument
     assert result.final_output == f"18 degrees and clear in {seen[0]}"
+
+
+def test_the_responses_api_answers_as_chat_does_and_shares_its_cache(server: ServerProcess) -> None:
+    """`client.responses.create` with instructions: the same greedy text as the chat request it means
+    (the same prompt ids, so the chat request's cache entry serves it in full), usage in the Responses
+    shape, and a streamed response that ends with the same text and usage."""
+    c = client(server)
+    system = "You are the librarian of the Prefix Harbour library. " * 6
+    chat = c.chat.completions.create(model=model_id(server), messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "When do you open?"}],
+        max_tokens=12, temperature=0)
+    r = c.responses.create(model=model_id(server), instructions=system, input="When do you open?",
+                           max_output_tokens=12, temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage is not None and r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.input_tokens_details.cached_tokens == r.usage.input_tokens  # the chat request seeded it
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    evs = list(c.responses.create(model=model_id(server), instructions=system, input="When do you open?",
+                                  max_output_tokens=12, temperature=0, stream=True))
+    text = "".join(e.delta for e in evs if e.type == "response.output_text.delta")
+    final = evs[-1].response  # response.completed, or response.incomplete when max_output_tokens cut it
+    assert evs[-1].type == f"response.{r.status}"
+    assert text == final.output_text == r.output_text
+    assert final.usage is not None and final.usage.input_tokens_details.cached_tokens == r.usage.input_tokens
+
+
+def test_a_tool_round_trip_on_the_responses_api(server: ServerProcess) -> None:
+    """A forced call comes back as a `function_call` item; sent back with its `function_call_output`,
+    the next request reuses the whole first request from the cache."""
+    c = client(server)
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+            "parameters": WEATHER["function"]["parameters"]}
+    ask = {"model": model_id(server), "instructions": "You are a helpful assistant.", "tools": [tool],
+           "max_output_tokens": 40, "temperature": 0}
+    first = c.responses.create(input="What is the weather in Paris?", tool_choice="required", **ask)
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and clear"}]
+    second = c.responses.create(input=history, **ask)  # tool_choice auto: the model may answer or call again
+    assert second.output and second.status in ("completed", "incomplete")
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_openai_agents_sdk_default_model_calls_a_tool_over_the_responses_api(server: ServerProcess) -> None:
+    """The Agents SDK's default model (OpenAIResponsesModel) sends its tools and forced tool_choice to
+    /v1/responses and parses the function_call item it gets back."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"18 degrees and clear in {city}"
+
+    async def go() -> Any:
+        model = OpenAIResponsesModel(model=model_id(server), openai_client=openai.AsyncOpenAI(
+            base_url=server.openai_url, api_key=KEY, max_retries=0, timeout=300))
+        agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=model,
+                      tools=[get_weather], tool_use_behavior="stop_on_first_tool",  # a weak model would call again
+                      model_settings=ModelSettings(tool_choice="get_weather", max_tokens=60, temperature=0))
+        return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
+    result = asyncio.run(go())
+    assert len(seen) == 1 and seen[0]
+    assert result.final_output == f"18 degrees and clear in {seen[0]}"

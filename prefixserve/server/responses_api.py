@@ -1,0 +1,282 @@
+"""POST /v1/responses: OpenAI's Responses API, as a chat request underneath.
+
+The body is translated to the chat request it means (`instructions` -> a system message; `input`, a
+string or a list of message, `function_call` and `function_call_output` items -> messages; function
+`tools`, `tool_choice`, `text.format` -> their chat forms; `max_output_tokens` -> max_completion_tokens)
+and prepared by server/chat.py: the same template, tools fallback, grammar and sampling checks, so a
+conversation is keyed in the prefix cache by the same token ids whichever API sends it. The answer is
+a `response` object (output: a message with one `output_text` part, then any `function_call` items;
+status `incomplete` with reason `max_output_tokens` when cut), streamed as typed events ending with
+`response.completed` / `response.incomplete`, which carries the usage: `input_tokens`,
+`input_tokens_details.cached_tokens` (the engine's count, present even when 0), `output_tokens`.
+
+Nothing is stored: `previous_response_id` and `conversation` are refused (send the whole conversation
+in `input`, as the cache makes its shared prefix cheap), and responses report `store: false`.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import ValidationError
+
+from prefixserve.config import DEFAULT_MAX_TOKENS
+from prefixserve.engine.protocol import EngineClient
+from prefixserve.server.chat import prepare_chat
+from prefixserve.server.errors import APIError, bad_request, validation_error
+from prefixserve.server.prompt_memo import PromptMemo
+from prefixserve.server.responses import ChatShape, ChoiceOutput, Prepared, Shape
+from prefixserve.server.schemas import ChatCompletionRequest, ResponsesRequest
+from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
+from prefixserve.types import TokenLogprob, Usage
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def prepare_response(
+    body: ResponsesRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    memo: PromptMemo | None = None,
+) -> Prepared:
+    """Validate a Responses body for `tenant_id` and prepare it as its chat request. Raises APIError(400)
+    naming the Responses field."""
+    for name, why in (("previous_response_id", "responses are not stored: send the whole conversation in input"),
+                      ("conversation", "nothing is stored: send the whole conversation in input"),
+                      ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground"),
+                      ("top_logprobs", "logprobs are not offered on this endpoint")):
+        if getattr(body, name) not in (None, False, 0):
+            raise bad_request(f"{name} is not supported here ({why})", name)
+    if body.truncation not in (None, "disabled"):
+        raise bad_request("truncation must be 'disabled': a prompt that does not fit is an error", "truncation")
+    chat: dict[str, Any] = {"messages": _messages(body), "stream": body.stream}
+    for name in ("model", "temperature", "top_p", "user", "cache_salt", "parallel_tool_calls", "seed"):
+        if (value := getattr(body, name)) is not None:
+            chat[name] = value
+    if body.max_output_tokens is not None:
+        chat["max_completion_tokens"] = body.max_output_tokens
+    if body.tools:
+        chat["tools"] = [_tool(t, i) for i, t in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _tool_choice(body.tool_choice)
+    if (fmt := _format(body.text)) is not None:
+        chat["response_format"] = fmt
+    try:
+        prepared = prepare_chat(ChatCompletionRequest.model_validate(chat), engine, tenant_id, default_max_tokens, memo)
+    except ValidationError as e:
+        raise _renamed(validation_error(list(e.errors())), bool(body.instructions)) from None
+    except APIError as e:
+        raise _renamed(e, bool(body.instructions)) from None
+    assert isinstance(prepared.shape, ChatShape)
+    sampling = prepared.request.sampling
+    echo = {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": body.tools or [],
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "user": body.user,
+            "store": False, "truncation": "disabled", "reasoning": None, "previous_response_id": None}
+    shape = ResponseShape(id=f"resp_{uuid.uuid4().hex}", model=prepared.shape.model, include_usage=True,
+                          fingerprint=prepared.shape.fingerprint, tools=prepared.shape.tools, echo=echo)
+    return replace(prepared, shape=shape)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if body.instructions:
+        out.append({"role": "system", "content": body.instructions})
+    items = body.input
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("input must be a string or a non-empty list of items", "input")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request("an input item must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role"), "content": _content(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if out and out[-1]["role"] == "assistant":  # text and calls of one turn: one assistant message
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": _content(item.get("output"), where, "output")})
+        else:
+            raise bad_request(f"input item type {kind!r} is not supported (message, function_call, "
+                              "function_call_output)", f"{where}.type")
+    return out
+
+
+def _content(content: Any, where: str, name: str = "content") -> Any:
+    """A string, or text parts (input_text / output_text) as chat text parts."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise bad_request(f"content part type {kind!r} is not supported (only text)", f"{where}.{name}[{j}].type")
+        parts.append({"type": "text", "text": part.get("text")})
+    return parts
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise bad_request(f"tool type {kind!r} is not supported (only function tools)", f"tools[{i}].type")
+    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice  # "none" / "auto" / "required", or refused by the chat checks
+
+
+def _format(text: Any) -> dict[str, Any] | None:
+    """`text.format` -> chat's response_format."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return fmt
+
+
+def _renamed(e: APIError, instructions: bool) -> APIError:
+    """The chat checks name chat fields; the client sent Responses fields (`instructions`: the chat
+    request's first message is theirs, so messages[k] is input[k - 1])."""
+    if e.param is not None:
+        if m := re.match(r"messages\[(\d+)\]", e.param):
+            k = int(m.group(1)) - instructions
+            e.param = ("instructions" if k < 0 else f"input[{k}]") + e.param[m.end():]
+        for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                           ("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+                           ("response_format", "text.format")):
+            if e.param == chat or e.param.startswith((chat + ".", chat + "[")):
+                e.param = ours + e.param[len(chat):]
+                if chat.startswith("max_"):  # the message names it too
+                    e.message = e.message.replace(chat, ours)
+                break
+        e.param = e.param.replace(".function.", ".")
+    return e
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}
+
+
+@dataclass(slots=True)
+class ResponseShape(Shape):
+    """A `response` object, or its stream of typed events (one choice: the Responses API has no `n`)."""
+
+    tools: ToolSetup | None = None
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
+    _seq: int = 0
+    _stream: ToolCallStream | None = None
+    _message_id: str = ""  # the streamed message item, once opened
+    _text: str = ""
+    _output: list[dict[str, Any]] = field(default_factory=list)
+    _finish: str = "stop"
+
+    def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
+        c = choices[0]
+        reply = parse_tool_calls(c.text, self.tools) if self.tools else ParsedReply(c.text, ())
+        output = [] if reply.content is None and reply.calls else [_message(f"msg_{uuid.uuid4().hex}", reply.content or "")]
+        output += [_call(call) for call in reply.calls]
+        return self._response(output, usage, "tool_calls" if reply.calls else c.finish_reason)
+
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self._response([], None, None)),
+                self._event("response.in_progress", response=self._response([], None, None))]
+
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
+               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+        if self.tools is not None and self._stream is None:
+            self._stream = ToolCallStream(self.tools)
+        out = self._delta(self._stream.feed(text) if self._stream is not None else text)
+        if finish_reason is None:
+            return out
+        self._finish = finish_reason
+        calls: tuple[ToolCallOut, ...] = ()
+        if self._stream is not None:
+            reply = self._stream.finish()
+            out += self._delta(reply.content or "")
+            calls = reply.calls
+            self._finish = "tool_calls" if calls else finish_reason  # as chat's finish_reason
+        if self._message_id or not calls:  # an empty reply is still one (empty) message
+            if not self._message_id:
+                out += self._open_message()
+            item = _message(self._message_id, self._text)
+            part = item["content"][0]
+            ids = {"item_id": self._message_id, "output_index": 0}
+            out += [self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[]),
+                    self._event("response.content_part.done", **ids, content_index=0, part=part),
+                    self._event("response.output_item.done", output_index=0, item=item)]
+            self._output.append(item)
+        for call in calls:
+            item = _call(call)
+            at = {"item_id": item["id"], "output_index": len(self._output)}
+            out += [self._event("response.output_item.added", output_index=at["output_index"],
+                                item={**item, "arguments": "", "status": "in_progress"}),
+                    self._event("response.function_call_arguments.delta", **at, delta=call.arguments),
+                    self._event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments),
+                    self._event("response.output_item.done", output_index=at["output_index"], item=item)]
+            self._output.append(item)
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The last event: the whole response, with its usage."""
+        response = self._response(self._output, usage, self._finish)
+        done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return self._event(done, response=response)
+
+    def _delta(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        out = [] if self._message_id else self._open_message()
+        self._text += text
+        return [*out, self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                                  content_index=0, delta=text, logprobs=[])]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self._message_id = f"msg_{uuid.uuid4().hex}"
+        item = {**_message(self._message_id, ""), "status": "in_progress", "content": []}
+        return [self._event("response.output_item.added", output_index=0, item=item),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=0, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._seq += 1
+        return {"type": kind, "sequence_number": self._seq - 1, **fields}
+
+    def _response(self, output: list[dict[str, Any]], usage: Usage | None, finish: str | None) -> dict[str, Any]:
+        status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.model, "output": output, **self.echo,
+                "usage": None if usage is None else usage_object(usage)}
+
+
+def _message(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call(call: ToolCallOut) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": "completed"}

@@ -1,0 +1,127 @@
+"""POST /v1/responses on the fake engine (it replays the prompt's bytes): a Responses body is the chat
+request it means (the same prompt ids, so the same cache entries), answered as a `response` object or
+its typed event stream, with usage (cached tokens included) and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.helpers.fake_engine import FakeEngine
+from tests.server.conftest import auth
+
+R, CH = "/v1/responses", "/v1/chat/completions"
+TOOLS_R = [{"type": "function", "name": "add", "description": "Add.", "parameters": {"type": "object"}}]
+TOOLS_CH = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize(
+    ("body", "messages", "extra"),
+    [
+        ({"input": "hi"}, [{"role": "user", "content": "hi"}], {}),
+        ({"instructions": "Be terse.", "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                                                 {"type": "message", "role": "assistant",
+                                                  "content": [{"type": "output_text", "text": "b"}]},
+                                                 {"role": "developer", "content": "c"}]},
+         [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "a"},
+          {"role": "assistant", "content": "b"}, {"role": "system", "content": "c"}], {}),
+        ({"input": [{"role": "user", "content": "add"},
+                    {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1}'},
+                    {"type": "function_call_output", "call_id": "call_1", "output": "2"}], "tools": TOOLS_R},
+         [{"role": "user", "content": "add"},
+          {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "2"}], {"tools": TOOLS_CH}),
+    ],
+)
+def test_a_responses_body_is_keyed_as_the_chat_request_it_means(
+    client: TestClient, engine: FakeEngine, body: dict[str, Any], messages: list[dict[str, Any]], extra: dict[str, Any],
+) -> None:
+    r = client.post(R, json={**body, "max_output_tokens": 3}, headers=auth())
+    assert r.status_code == 200, r.text
+    client.post(CH, json={"messages": messages, "max_tokens": 3, **extra}, headers=auth())
+    assert engine.requests[-2].prompt_ids == engine.requests[-1].prompt_ids
+    assert engine.requests[-2].namespace == engine.requests[-1].namespace
+
+
+def test_response_object_and_its_usage(client: TestClient, engine: FakeEngine) -> None:
+    body = {"input": "hello", "max_output_tokens": 4, "metadata": {"k": "v"}}
+    first = client.post(R, json=body, headers=auth()).json()
+    assert first["object"] == "response" and first["id"].startswith("resp_")
+    assert first["status"] == "incomplete" and first["incomplete_details"] == {"reason": "max_output_tokens"}
+    [message] = first["output"]
+    prompt = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
+    assert message["content"] == [{"type": "output_text", "text": prompt[:4], "annotations": [], "logprobs": []}]
+    assert first["usage"] == {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
+                              "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0},
+                              "total_tokens": len(prompt) + 4}
+    assert first["metadata"] == {"k": "v"} and first["store"] is False and first["max_output_tokens"] == 4
+    again = client.post(R, json=body, headers=auth()).json()
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] == len(prompt) - 1  # the fake's full hit
+
+
+def test_streamed_events_end_with_the_whole_response(client: TestClient) -> None:
+    evs = events(client.post(R, json={"input": "hello", "max_output_tokens": 5, "stream": True}, headers=auth()).text)
+    kinds = [e["type"] for e in evs]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+    final = evs[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == text == evs[-4]["text"] and len(text) == 5
+    assert final["usage"]["output_tokens"] == 5 and final["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert evs[0]["response"]["status"] == "in_progress" and evs[0]["response"]["usage"] is None
+
+
+def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient, engine: FakeEngine) -> None:
+    prompt_len = len(engine.tokenizer.render_chat([{"role": "user", "content": CALL}], TOOLS_CH))
+    body = {"input": CALL, "tools": TOOLS_R, "max_output_tokens": prompt_len}  # the fake replays the prompt
+    out = client.post(R, json=body, headers=auth()).json()["output"]
+    assert [o["type"] for o in out] == ["message", "function_call"]
+    call = out[1]
+    assert (call["name"], call["arguments"], call["status"]) == ("add", '{"a": 1}', "completed")
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+    evs = events(client.post(R, json={**body, "stream": True}, headers=auth()).text)
+    kinds = [e["type"] for e in evs]
+    assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert evs[-3]["arguments"] == '{"a": 1}' and evs[-3]["name"] == "add"
+    assert [o["type"] for o in evs[-1]["response"]["output"]] == ["message", "function_call"]
+    assert evs[-1]["response"]["status"] == "completed" and evs[-1]["response"]["incomplete_details"] is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": []}, "input"),
+        ({}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input[0].content[0].type"),
+        ({"instructions": "s", "input": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+         "input[1].role"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"input": "x", "temperature": 9}, "temperature"),
+    ],
+)
+def test_bad_input_names_the_responses_field(client: TestClient, body: dict[str, Any], param: str) -> None:
+    r = client.post(R, json=body, headers=auth())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
