@@ -6,29 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
-from prefixserve.cache import PrefixCache
-from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.engine import AsyncEngine
 from prefixserve.types import Constraint, Delta, Namespace, Request, SamplingParams
-from tests.conftest import load_embedded
 
 pytestmark = pytest.mark.slow
 
 NS = Namespace("smol", "tenant-a")
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    model, runner = load_embedded("int4")
-    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
-                      EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256), 2048, lambda r, d: None)
-    engine = AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
-    yield engine
-    asyncio.run(engine.shutdown())
 
 
 def prompt(engine: AsyncEngine, user: str) -> tuple[int, ...]:

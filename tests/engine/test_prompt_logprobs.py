@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from prefixserve.cache import PrefixCache
-from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.engine import AsyncEngine
 from prefixserve.runner import ModelRunner, StepItem, scored_logprobs, token_logprob
 from prefixserve.types import Delta, FinishReason, Namespace, Request, SamplingParams, TokenLogprob
-from tests.conftest import load_embedded
 
 pytestmark = pytest.mark.slow
 
@@ -70,16 +67,6 @@ def test_prompt_logprobs_of_a_hybrid_model(tmp_path) -> None:
     make_model(str(tmp_path), layers=4, seed=3, with_tokenizer=False)
     runner = ModelRunner(build_hybrid(HybridHFModel(str(tmp_path)), torch.float32, "cpu", TilePlan()), 1)
     check_against_prefix_prefills(runner, prompt_ids(200, VOCAB, 2))
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    model, runner = load_embedded("int4")
-    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
-                      EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256), 2048, lambda r, d: None)
-    engine = AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
-    yield engine
-    asyncio.run(engine.shutdown())
 
 
 def run(engine: AsyncEngine, ids: Sequence[int], sp: SamplingParams, n: int = 1) -> list[Delta]:

@@ -141,38 +141,6 @@ def test_required_tool_choice_and_unknown_model(server: ServerProcess) -> None:
     assert isinstance(e.value.body, dict) and e.value.body.get("code") == "model_not_found"
 
 
-def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    set_tracing_disabled(True)
-    seen: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        seen.append(city)
-        return f"18 degrees and clear in {city}"
-
-    async def go() -> Any:
-        model = OpenAIChatCompletionsModel(model=model_id(server), openai_client=openai.AsyncOpenAI(
-            base_url=server.openai_url, api_key=KEY, max_retries=0, timeout=300))
-        agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=model,
-                      tools=[get_weather], tool_use_behavior="stop_on_first_tool",  # a weak model would call again
-                      model_settings=ModelSettings(tool_choice="get_weather", max_tokens=60, temperature=0))
-        return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-
-    result = asyncio.run(go())
-    assert len(seen) == 1 and seen[0]  # the SDK parsed our tool call and ran the tool with its argument
-    assert result.final_output == f"18 degrees and clear in {seen[0]}"
-
-
 def test_the_responses_api_answers_as_chat_does_and_shares_its_cache(server: ServerProcess) -> None:
     """`client.responses.create` with instructions: the same greedy text as the chat request it means
     (the same prompt ids, so the chat request's cache entry serves it in full), usage in the Responses
@@ -217,10 +185,20 @@ def test_a_tool_round_trip_on_the_responses_api(server: ServerProcess) -> None:
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
-def test_openai_agents_sdk_default_model_calls_a_tool_over_the_responses_api(server: ServerProcess) -> None:
-    """The Agents SDK's default model (OpenAIResponsesModel) sends its tools and forced tool_choice to
-    /v1/responses and parses the function_call item it gets back."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess, api: str) -> None:
+    """The Agents SDK on either of its model APIs (`OpenAIChatCompletionsModel`, or its default
+    `OpenAIResponsesModel` over /v1/responses): it sends the tools and a forced tool_choice, parses the
+    call it gets back and runs the tool with its argument."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     seen: list[str] = []
@@ -232,7 +210,8 @@ def test_openai_agents_sdk_default_model_calls_a_tool_over_the_responses_api(ser
         return f"18 degrees and clear in {city}"
 
     async def go() -> Any:
-        model = OpenAIResponsesModel(model=model_id(server), openai_client=openai.AsyncOpenAI(
+        kind = OpenAIChatCompletionsModel if api == "chat_completions" else OpenAIResponsesModel
+        model = kind(model=model_id(server), openai_client=openai.AsyncOpenAI(
             base_url=server.openai_url, api_key=KEY, max_retries=0, timeout=300))
         agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=model,
                       tools=[get_weather], tool_use_behavior="stop_on_first_tool",  # a weak model would call again
@@ -240,5 +219,5 @@ def test_openai_agents_sdk_default_model_calls_a_tool_over_the_responses_api(ser
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
 
     result = asyncio.run(go())
-    assert len(seen) == 1 and seen[0]
+    assert len(seen) == 1 and seen[0]  # the SDK parsed our tool call and ran the tool with its argument
     assert result.final_output == f"18 degrees and clear in {seen[0]}"
