@@ -69,6 +69,7 @@ class Shape:
         return {**self._head(self.chunk_object), "choices": [], "usage": usage_dict(usage)}
 
     chunk_object = ""
+    ends_with_done = True  # the stream's last line is `data: [DONE]` (chat and completions, as OpenAI)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

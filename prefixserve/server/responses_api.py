@@ -184,6 +184,7 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 class ResponseShape(Shape):
     """A `response` object, or its stream of typed events (one choice: the Responses API has no `n`)."""
 
+    ends_with_done = False  # OpenAI's Responses stream ends with its response.completed event
     tools: ToolSetup | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
     _seq: int = 0
@@ -196,7 +197,9 @@ class ResponseShape(Shape):
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         c = choices[0]
         reply = parse_tool_calls(c.text, self.tools) if self.tools else ParsedReply(c.text, ())
-        output = [] if reply.content is None and reply.calls else [_message(f"msg_{uuid.uuid4().hex}", reply.content or "")]
+        cut = c.finish_reason == "length" and not reply.calls
+        output = [] if reply.content is None and reply.calls else [
+            _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut)]
         output += [_call(call) for call in reply.calls]
         return self._response(output, usage, "tool_calls" if reply.calls else c.finish_reason)
 
@@ -221,7 +224,7 @@ class ResponseShape(Shape):
         if self._message_id or not calls:  # an empty reply is still one (empty) message
             if not self._message_id:
                 out += self._open_message()
-            item = _message(self._message_id, self._text)
+            item = _message(self._message_id, self._text, self._finish == "length")
             part = item["content"][0]
             ids = {"item_id": self._message_id, "output_index": 0}
             out += [self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[]),
@@ -272,8 +275,9 @@ class ResponseShape(Shape):
                 "usage": None if usage is None else usage_object(usage)}
 
 
-def _message(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+def _message(item_id: str, text: str, cut: bool = False) -> dict[str, Any]:
+    """An assistant message item; `cut`: max_output_tokens ended it (status incomplete, as OpenAI)."""
+    return {"type": "message", "id": item_id, "status": "incomplete" if cut else "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 

@@ -43,9 +43,11 @@ async def sse_events(
     abandoned_usage: Callable[[], Awaitable[Usage | None]] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: opening chunks, chunks per delta (each with its choice's `index`), each choice's
-    finish chunk, the usage chunk (when asked for), then ``data: [DONE]``. An engine failure becomes
+    finish chunk, the usage chunk (when asked for), then ``data: [DONE]`` (not for the Responses API,
+    whose stream ends with its last event, `Shape.ends_with_done`). An engine failure becomes
     an OpenAI error event. A stream cut short is recorded with `abandoned_usage()` (asked once the
     engine iterator is closed: the abort's worker truth), else the last usage seen."""
+    done = DONE if shape.ends_with_done else ""
     try:
         # each delta's chunks go out as one write (the opening chunks with the first delta's, the
         # last delta's with the usage chunk and [DONE]): a write is a syscall and a wake-up of the
@@ -74,17 +76,17 @@ async def sse_events(
             ) or "the engine ended the request without finishing it"
             tracker.finish(FinishReason.ERROR.value, delta.usage if delta is not None else None)
             logger.error("request %s failed in the engine: %s", tracker.request_id, message)
-            yield "".join(out) + sse(error_body(message, "server_error")) + DONE
+            yield "".join(out) + sse(error_body(message, "server_error")) + done
             return
         usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
         if shape.include_usage:
             out.append(sse(shape.usage_chunk(usage)))
-        yield "".join(out) + DONE
+        yield "".join(out) + done
     except Exception as e:  # never a broken stream without a reason: report, then end it properly
         logger.exception("streaming request %s failed", tracker.request_id)
         tracker.finish(FinishReason.ERROR.value)
         yield sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
-        yield DONE
+        yield done
     finally:
         await aclose_shielded(engine_iter)
         if not tracker.finished:  # the stream was cut short

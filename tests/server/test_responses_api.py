@@ -59,7 +59,7 @@ def test_response_object_and_its_usage(client: TestClient, engine: FakeEngine) -
     assert first["status"] == "incomplete" and first["incomplete_details"] == {"reason": "max_output_tokens"}
     [message] = first["output"]
     prompt = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
-    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
+    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "incomplete"
     assert message["content"] == [{"type": "output_text", "text": prompt[:4], "annotations": [], "logprobs": []}]
     assert first["usage"] == {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
                               "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0},
@@ -70,7 +70,9 @@ def test_response_object_and_its_usage(client: TestClient, engine: FakeEngine) -
 
 
 def test_streamed_events_end_with_the_whole_response(client: TestClient) -> None:
-    evs = events(client.post(R, json={"input": "hello", "max_output_tokens": 5, "stream": True}, headers=auth()).text)
+    raw = client.post(R, json={"input": "hello", "max_output_tokens": 5, "stream": True}, headers=auth()).text
+    assert "[DONE]" not in raw  # the stream ends with its last event, as OpenAI's
+    evs = events(raw)
     kinds = [e["type"] for e in evs]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -99,6 +101,7 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
     assert evs[-3]["arguments"] == '{"a": 1}' and evs[-3]["name"] == "add"
     assert [o["type"] for o in evs[-1]["response"]["output"]] == ["message", "function_call"]
     assert evs[-1]["response"]["status"] == "completed" and evs[-1]["response"]["incomplete_details"] is None
+    assert evs[-1]["response"]["output"][0]["status"] == "completed"  # the text before the call: not cut
 
 
 @pytest.mark.parametrize(
