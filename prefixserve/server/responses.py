@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.server.errors import error_body
 from prefixserve.server.logprobs import LogprobRenderer
 from prefixserve.server.tools import ParsedReply, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.types import Request, TokenLogprob, Usage
@@ -67,6 +68,10 @@ class Shape:
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._head(self.chunk_object), "choices": [], "usage": usage_dict(usage)}
+
+    def failure(self, message: str) -> dict[str, Any]:
+        """The event that ends a stream the server could not finish (OpenAI's error object)."""
+        return error_body(message, "server_error")
 
     chunk_object = ""
     ends_with_done = True  # the stream's last line is `data: [DONE]` (chat and completions, as OpenAI)

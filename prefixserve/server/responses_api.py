@@ -248,6 +248,12 @@ class ResponseShape(Shape):
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return self._event(done, response=response)
 
+    def failure(self, message: str) -> dict[str, Any]:
+        """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream)."""
+        response = {**self._response(self._output, None, None), "status": "failed",
+                    "error": {"code": "server_error", "message": message}}
+        return self._event("response.failed", response=response)
+
     def _delta(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []

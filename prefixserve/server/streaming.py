@@ -17,7 +17,6 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from prefixserve.server.errors import error_body
 from prefixserve.server.responses import Shape
 from prefixserve.server.tracking import RequestTracker
 from prefixserve.types import Delta, FinishReason, Usage
@@ -76,7 +75,7 @@ async def sse_events(
             ) or "the engine ended the request without finishing it"
             tracker.finish(FinishReason.ERROR.value, delta.usage if delta is not None else None)
             logger.error("request %s failed in the engine: %s", tracker.request_id, message)
-            yield "".join(out) + sse(error_body(message, "server_error")) + done
+            yield "".join(out) + sse(shape.failure(message)) + done
             return
         usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
         if shape.include_usage:
@@ -85,7 +84,7 @@ async def sse_events(
     except Exception as e:  # never a broken stream without a reason: report, then end it properly
         logger.exception("streaming request %s failed", tracker.request_id)
         tracker.finish(FinishReason.ERROR.value)
-        yield sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
+        yield sse(shape.failure(f"internal error: {type(e).__name__}"))
         yield done
     finally:
         await aclose_shielded(engine_iter)

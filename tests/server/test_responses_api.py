@@ -128,3 +128,14 @@ def test_bad_input_names_the_responses_field(client: TestClient, body: dict[str,
     r = client.post(R, json=body, headers=auth())
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_engine_failure_is_a_500_or_a_response_failed_event(client: TestClient, engine: FakeEngine) -> None:
+    engine.fail_with = "boom"
+    r = client.post(R, json={"input": "p"}, headers=auth())
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    evs = events(client.post(R, json={"input": "p", "stream": True}, headers=auth()).text)
+    assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.failed"]
+    assert evs[-1]["response"]["status"] == "failed" and evs[-1]["response"]["error"]["message"] == "boom"
+    engine.fail_with = None
+    assert client.post(R, json={"input": "p"}, headers=auth()).status_code == 200
