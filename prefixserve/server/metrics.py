@@ -20,7 +20,8 @@ from prefixserve.types import Usage
 logger = logging.getLogger("prefixserve.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/usage", "/v1/cache", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/usage", "/v1/cache", "/tokenize",
+             "/detokenize", "/health", "/metrics")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 # engine.metrics() keys exported under stable names (first key present wins).

@@ -139,3 +139,11 @@ def test_an_engine_failure_is_a_500_or_a_response_failed_event(client: TestClien
     assert evs[-1]["response"]["status"] == "failed" and evs[-1]["response"]["error"]["message"] == "boom"
     engine.fail_with = None
     assert client.post(R, json={"input": "p"}, headers=auth()).status_code == 200
+
+
+def test_requests_to_the_new_routes_are_counted_under_their_own_label(client: TestClient) -> None:
+    client.post(R, json={"input": "p", "max_output_tokens": 1}, headers=auth())
+    client.post("/tokenize", json={"prompt": "p"}, headers=auth())
+    text = client.get("/metrics").text
+    for route in ("/v1/responses", "/tokenize"):
+        assert f'prefixserve_http_requests_total{{endpoint="{route}",status_class="2xx"}}' in text, route
