@@ -7,6 +7,7 @@ and ``ledger.close()``. No module-level state: everything lives in the closure o
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from prefixserve.server.generation import respond
 from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
 from prefixserve.server.prompt_memo import NotRemembered, PromptMemo
+from prefixserve.server.response_store import ResponseStore
 from prefixserve.server.responses import Prepared
 from prefixserve.server.responses_api import prepare_response
 from prefixserve.server.schemas import (
@@ -59,6 +61,7 @@ def create_app(
     keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
     metrics = ServerMetrics(engine)
     memo = PromptMemo()  # recently encoded prompts, per namespace (server/prompt_memo.py)
+    stored = ResponseStore()  # finished /v1/responses answers, per tenant (server/response_store.py)
     started = int(time.time())
 
     @asynccontextmanager
@@ -137,7 +140,21 @@ def create_app(
         tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), ResponsesRequest)
         inline = body.tools is None and body.text is None  # grammars compile in the thread pool
-        return await _generate(request, await _prepare(prepare_response, body, tenant_id, inline=inline))
+        prepare = functools.partial(prepare_response, store=stored)
+        return await _generate(request, await _prepare(prepare, body, tenant_id, inline=inline))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        found = stored.get(keys.tenant_for_generation(authorization(request)), response_id)
+        if found is None:  # another tenant's id is not found either
+            raise APIError(404, f"No response with id '{response_id[:64]}' found.", param="response_id")
+        return found.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        if not stored.delete(keys.tenant_for_generation(authorization(request)), response_id):
+            raise APIError(404, f"No response with id '{response_id[:64]}' found.", param="response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request) -> dict[str, Any]:

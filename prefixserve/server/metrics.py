@@ -97,7 +97,12 @@ class ServerMetrics:
 
 def endpoint_label(path: str) -> str:
     """A fixed label per route: an unknown path never becomes a label value."""
-    return path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+    if path in ENDPOINTS:
+        return path
+    for route in ("/v1/models", "/v1/responses"):  # /v1/models/{name}, /v1/responses/{id}
+        if path.startswith(route + "/"):
+            return route
+    return "other"
 
 
 class _EngineCollector(Collector):

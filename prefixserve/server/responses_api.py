@@ -10,14 +10,18 @@ status `incomplete` with reason `max_output_tokens` when cut), streamed as typed
 `response.completed` / `response.incomplete`, which carries the usage: `input_tokens`,
 `input_tokens_details.cached_tokens` (the engine's count, present even when 0), `output_tokens`.
 
-Nothing is stored: `previous_response_id` and `conversation` are refused (send the whole conversation
-in `input`, as the cache makes its shared prefix cheap), and responses report `store: false`.
+A finished response is kept in memory for its tenant (server/response_store.py) unless `store` is
+false: `previous_response_id` continues its conversation (the stored history, then this request's
+`instructions` and `input`, rendered as a client re-sending it all would be, so the cache serves the
+history the same way), and GET / DELETE /v1/responses/{id} read and forget it. `conversation` objects,
+stored prompt templates and background runs are refused.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,6 +32,7 @@ from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.errors import APIError, bad_request, validation_error
 from prefixserve.server.prompt_memo import PromptMemo
+from prefixserve.server.response_store import ResponseStore
 from prefixserve.server.responses import ChatShape, ChoiceOutput, Prepared, Shape
 from prefixserve.server.schemas import ChatCompletionRequest, ResponsesRequest
 from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
@@ -38,19 +43,28 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 def prepare_response(
     body: ResponsesRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    memo: PromptMemo | None = None,
+    memo: PromptMemo | None = None, store: ResponseStore | None = None,
 ) -> Prepared:
     """Validate a Responses body for `tenant_id` and prepare it as its chat request. Raises APIError(400)
-    naming the Responses field."""
-    for name, why in (("previous_response_id", "responses are not stored: send the whole conversation in input"),
-                      ("conversation", "nothing is stored: send the whole conversation in input"),
+    naming the Responses field (404 for a `previous_response_id` the tenant has not stored). With a
+    `store`, the finished response is kept there unless the body says `store: false`."""
+    history: tuple[dict[str, Any], ...] = ()
+    if body.previous_response_id is not None:
+        found = None if store is None else store.get(tenant_id, body.previous_response_id)
+        if found is None:
+            raise APIError(404, f"Previous response with id '{body.previous_response_id[:64]}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        history = found.messages
+    for name, why in (("conversation", "conversation objects are not kept: use previous_response_id"),
                       ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground"),
                       ("top_logprobs", "logprobs are not offered on this endpoint")):
         if getattr(body, name) not in (None, False, 0):
             raise bad_request(f"{name} is not supported here ({why})", name)
     if body.truncation not in (None, "disabled"):
         raise bad_request("truncation must be 'disabled': a prompt that does not fit is an error", "truncation")
-    chat: dict[str, Any] = {"messages": _messages(body), "stream": body.stream}
+    conversation = [*history, *_messages(body)]  # what a later request's previous_response_id continues
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    chat: dict[str, Any] = {"messages": [*system, *conversation], "stream": body.stream}
     for name in ("model", "temperature", "top_p", "user", "cache_salt", "parallel_tool_calls", "seed"):
         if (value := getattr(body, name)) is not None:
             chat[name] = value
@@ -65,9 +79,9 @@ def prepare_response(
     try:
         prepared = prepare_chat(ChatCompletionRequest.model_validate(chat), engine, tenant_id, default_max_tokens, memo)
     except ValidationError as e:
-        raise _renamed(validation_error(list(e.errors())), bool(body.instructions)) from None
+        raise _renamed(validation_error(list(e.errors())), len(system), len(history)) from None
     except APIError as e:
-        raise _renamed(e, bool(body.instructions)) from None
+        raise _renamed(e, len(system), len(history)) from None
     assert isinstance(prepared.shape, ChatShape)
     sampling = prepared.request.sampling
     echo = {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -75,19 +89,32 @@ def prepare_response(
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "user": body.user,
-            "store": False, "truncation": "disabled", "reasoning": None, "previous_response_id": None}
-    shape = ResponseShape(id=f"resp_{uuid.uuid4().hex}", model=prepared.shape.model, include_usage=True,
-                          fingerprint=prepared.shape.fingerprint, tools=prepared.shape.tools, echo=echo)
+            "store": store is not None and body.store is not False, "truncation": "disabled", "reasoning": None,
+            "previous_response_id": body.previous_response_id}
+    response_id = f"resp_{uuid.uuid4().hex}"
+    keep = None
+    if store is not None and body.store is not False:
+        def keep(response: dict[str, Any]) -> None:
+            store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], response)
+    shape = ResponseShape(id=response_id, model=prepared.shape.model, include_usage=True,
+                          fingerprint=prepared.shape.fingerprint, tools=prepared.shape.tools, echo=echo, keep=keep)
     return replace(prepared, shape=shape)
 
 
+def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the assistant chat message that continues its conversation."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
+
+
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """`input` as chat messages."""
     out: list[dict[str, Any]] = []
-    if body.instructions:
-        out.append({"role": "system", "content": body.instructions})
     items = body.input
     if isinstance(items, str):
-        return [*out, {"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise bad_request("input must be a string or a non-empty list of items", "input")
     for i, item in enumerate(items):
@@ -155,13 +182,15 @@ def _format(text: Any) -> dict[str, Any] | None:
     return fmt
 
 
-def _renamed(e: APIError, instructions: bool) -> APIError:
-    """The chat checks name chat fields; the client sent Responses fields (`instructions`: the chat
-    request's first message is theirs, so messages[k] is input[k - 1])."""
+def _renamed(e: APIError, num_system: int, num_history: int) -> APIError:
+    """The chat checks name chat fields; the client sent Responses fields (the chat messages are the
+    instructions' `num_system`, the previous response's `num_history`, then input's)."""
     if e.param is not None:
         if m := re.match(r"messages\[(\d+)\]", e.param):
-            k = int(m.group(1)) - instructions
-            e.param = ("instructions" if k < 0 else f"input[{k}]") + e.param[m.end():]
+            k = int(m.group(1))
+            where = ("instructions" if k < num_system else "previous_response_id" if k < num_system + num_history
+                     else f"input[{k - num_system - num_history}]" + e.param[m.end():])
+            e.param = where
         for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
                            ("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
                            ("response_format", "text.format")):
@@ -187,6 +216,7 @@ class ResponseShape(Shape):
     ends_with_done = False  # OpenAI's Responses stream ends with its response.completed event
     tools: ToolSetup | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
+    keep: Callable[[dict[str, Any]], None] | None = None  # given the finished response (server/response_store.py)
     _seq: int = 0
     _stream: ToolCallStream | None = None
     _message_id: str = ""  # the streamed message item, once opened
@@ -201,7 +231,7 @@ class ResponseShape(Shape):
         output = [] if reply.content is None and reply.calls else [
             _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut)]
         output += [_call(call) for call in reply.calls]
-        return self._response(output, usage, "tool_calls" if reply.calls else c.finish_reason)
+        return self._kept(self._response(output, usage, "tool_calls" if reply.calls else c.finish_reason))
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self._response([], None, None)),
@@ -244,9 +274,14 @@ class ResponseShape(Shape):
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last event: the whole response, with its usage."""
-        response = self._response(self._output, usage, self._finish)
+        response = self._kept(self._response(self._output, usage, self._finish))
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return self._event(done, response=response)
+
+    def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self.keep is not None:
+            self.keep(response)
+        return response
 
     def failure(self, message: str) -> dict[str, Any]:
         """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream)."""

@@ -129,10 +129,10 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     cache_salt: Any = None
-    store: bool | None = None  # accepted; nothing is stored (responses say store: false)
-    truncation: str | None = None
-    # refused unless neutral: they need stored state or features this server does not have
+    store: bool | None = None  # false: the response is not kept for previous_response_id
     previous_response_id: str | None = None
+    truncation: str | None = None
+    # refused unless neutral: features this server does not have
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None

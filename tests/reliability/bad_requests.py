@@ -233,8 +233,8 @@ CASES: list[Bad] = [
     Bad("usage-other-tenant", "/v1/usage?start_time=0&tenant_id=bob", None, method="GET", param="tenant_id"),
     # -- the Responses API and tokenization
     Bad("responses-no-input", "/v1/responses", {"max_output_tokens": 1}, param="input"),
-    Bad("responses-previous-id", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
-        param="previous_response_id"),
+    Bad("responses-previous-id-unknown", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
+        status=404, param="previous_response_id"),
     Bad("responses-image-part", "/v1/responses",
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
         param="input[0].content[0].type"),

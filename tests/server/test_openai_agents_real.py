@@ -185,6 +185,27 @@ def test_a_tool_round_trip_on_the_responses_api(server: ServerProcess) -> None:
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
+def test_previous_response_id_chains_a_conversation_through_the_cache(server: ServerProcess) -> None:
+    """A chained request answers as the same conversation re-sent in full, and the previous turn's
+    prompt is served from the cache."""
+    c = client(server)
+    ask = {"model": model_id(server), "instructions": "You are a helpful assistant.", "max_output_tokens": 10,
+           "temperature": 0}
+    first = c.responses.create(input="Name a colour.", **ask)
+    chained = c.responses.create(input="And a fruit?", previous_response_id=first.id, **ask)
+    resent = c.responses.create(input=[{"role": "user", "content": "Name a colour."},
+                                       {"role": "assistant", "content": first.output_text},
+                                       {"role": "user", "content": "And a fruit?"}], store=False, **ask)
+    assert chained.previous_response_id == first.id and chained.output_text == resent.output_text
+    assert first.usage is not None and chained.usage is not None and resent.usage is not None
+    assert chained.usage.input_tokens == resent.usage.input_tokens
+    assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert c.responses.retrieve(chained.id).output_text == chained.output_text
+    c.responses.delete(chained.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(chained.id)
+
+
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
 def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess, api: str) -> None:
     """The Agents SDK on either of its model APIs (`OpenAIChatCompletionsModel`, or its default

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.helpers.fake_engine import FakeEngine
-from tests.server.conftest import auth
+from tests.server.conftest import KEY_B, auth
 
 R, CH = "/v1/responses", "/v1/chat/completions"
 TOOLS_R = [{"type": "function", "name": "add", "description": "Add.", "parameters": {"type": "object"}}]
@@ -64,7 +64,7 @@ def test_response_object_and_its_usage(client: TestClient, engine: FakeEngine) -
     assert first["usage"] == {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
                               "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0},
                               "total_tokens": len(prompt) + 4}
-    assert first["metadata"] == {"k": "v"} and first["store"] is False and first["max_output_tokens"] == 4
+    assert first["metadata"] == {"k": "v"} and first["store"] is True and first["max_output_tokens"] == 4
     again = client.post(R, json=body, headers=auth()).json()
     assert again["usage"]["input_tokens_details"]["cached_tokens"] == len(prompt) - 1  # the fake's full hit
 
@@ -107,7 +107,6 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": []}, "input"),
@@ -147,3 +146,70 @@ def test_requests_to_the_new_routes_are_counted_under_their_own_label(client: Te
     text = client.get("/metrics").text
     for route in ("/v1/responses", "/tokenize"):
         assert f'prefixserve_http_requests_total{{endpoint="{route}",status_class="2xx"}}' in text, route
+
+
+def test_previous_response_id_continues_the_stored_conversation(client: TestClient, engine: FakeEngine) -> None:
+    """The chained request renders the history a client re-sending it would (its own instructions,
+    not the previous ones), so it is keyed, and served from the cache, the same way."""
+    first = client.post(R, json={"instructions": "Old.", "input": "hello", "max_output_tokens": 3}, headers=auth()).json()
+    assert first["store"] is True and first["previous_response_id"] is None
+    said = first["output"][0]["content"][0]["text"]
+    second = client.post(R, json={"instructions": "New.", "input": "more", "previous_response_id": first["id"],
+                                  "max_output_tokens": 3}, headers=auth()).json()
+    assert second["previous_response_id"] == first["id"]
+    client.post(CH, json={"messages": [{"role": "system", "content": "New."}, {"role": "user", "content": "hello"},
+                                       {"role": "assistant", "content": said}, {"role": "user", "content": "more"}],
+                          "max_tokens": 3}, headers=auth())
+    assert engine.requests[-2].prompt_ids == engine.requests[-1].prompt_ids
+    third = client.post(R, json={"input": [{"role": "user", "content": "again"}], "previous_response_id": second["id"],
+                                 "max_output_tokens": 3}, headers=auth())
+    assert third.status_code == 200  # a chain of three: the second's stored history includes the first's
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_ids).count("<user>") == 3
+
+
+def test_a_function_call_output_continues_a_stored_call(client: TestClient, engine: FakeEngine) -> None:
+    prompt_len = len(engine.tokenizer.render_chat([{"role": "user", "content": CALL}], TOOLS_CH))
+    first = client.post(R, json={"input": CALL, "tools": TOOLS_R, "max_output_tokens": prompt_len},
+                        headers=auth()).json()
+    call = first["output"][-1]
+    follow = [{"type": "function_call_output", "call_id": call["call_id"], "output": "2"}]
+    r = client.post(R, json={"input": follow, "tools": TOOLS_R, "previous_response_id": first["id"],
+                             "max_output_tokens": 2}, headers=auth())
+    assert r.status_code == 200, r.text
+    rendered = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+    assert '"id": "' + call["call_id"] in rendered and "<tool>2" in rendered
+
+
+def test_stored_responses_are_the_tenants_own(client: TestClient) -> None:
+    made = client.post(R, json={"input": "mine", "max_output_tokens": 2, "stream": True}, headers=auth()).text
+    rid = events(made)[-1]["response"]["id"]
+    got = client.get(f"{R}/{rid}", headers=auth())
+    assert got.status_code == 200 and got.json() == events(made)[-1]["response"]
+    for call in (lambda: client.get(f"{R}/{rid}", headers=auth(KEY_B)),
+                 lambda: client.delete(f"{R}/{rid}", headers=auth(KEY_B)),
+                 lambda: client.post(R, json={"input": "x", "previous_response_id": rid}, headers=auth(KEY_B))):
+        r = call()
+        assert r.status_code == 404 and rid in r.json()["error"]["message"]
+    assert client.delete(f"{R}/{rid}", headers=auth()).json() == {"id": rid, "object": "response.deleted",
+                                                                   "deleted": True}
+    assert client.get(f"{R}/{rid}", headers=auth()).status_code == 404
+    unstored = client.post(R, json={"input": "x", "store": False, "max_output_tokens": 1}, headers=auth()).json()
+    assert unstored["store"] is False
+    r = client.post(R, json={"input": "x", "previous_response_id": unstored["id"]}, headers=auth())
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_the_store_forgets_least_recently_used_first_within_its_bounds() -> None:
+    from prefixserve.server.response_store import ResponseStore
+
+    store = ResponseStore(max_items=2, max_chars=10_000)
+    for rid in ("a", "b"):
+        store.put("t", rid, [{"role": "user", "content": rid}], {"id": rid})
+    assert store.get("t", "a") is not None  # now the most recent
+    store.put("t", "c", [], {"id": "c"})
+    assert [store.get("t", r) is not None for r in "abc"] == [True, False, True]
+    store.put("t", "big", [{"role": "user", "content": "x" * 9_950}], {"id": "big"})
+    assert store.get("t", "big") is not None and len(store) == 1  # the rest made room
+    store.put("t", "huge", [{"role": "user", "content": "x" * 20_000}], {"id": "huge"})
+    assert store.get("t", "huge") is None and store.get("t", "big") is not None  # never kept, nothing evicted
+    assert store.get("other", "big") is None
