@@ -61,7 +61,8 @@ def create_app(
     keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
     metrics = ServerMetrics(engine)
     memo = PromptMemo()  # recently encoded prompts, per namespace (server/prompt_memo.py)
-    stored = ResponseStore()  # finished /v1/responses answers, per tenant (server/response_store.py)
+    # finished /v1/responses answers, per tenant (server/response_store.py); None: none are kept
+    stored = ResponseStore(server_config.max_stored_responses) if server_config.max_stored_responses else None
     started = int(time.time())
 
     @asynccontextmanager
@@ -145,14 +146,16 @@ def create_app(
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        found = stored.get(keys.tenant_for_generation(authorization(request)), response_id)
+        tenant_id = keys.tenant_for_generation(authorization(request))
+        found = None if stored is None else stored.get(tenant_id, response_id)
         if found is None:  # another tenant's id is not found either
             raise APIError(404, f"No response with id '{response_id[:64]}' found.", param="response_id")
         return found.response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        if not stored.delete(keys.tenant_for_generation(authorization(request)), response_id):
+        tenant_id = keys.tenant_for_generation(authorization(request))
+        if stored is None or not stored.delete(tenant_id, response_id):
             raise APIError(404, f"No response with id '{response_id[:64]}' found.", param="response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

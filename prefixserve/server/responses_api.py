@@ -50,7 +50,10 @@ def prepare_response(
     `store`, the finished response is kept there unless the body says `store: false`."""
     history: tuple[dict[str, Any], ...] = ()
     if body.previous_response_id is not None:
-        found = None if store is None else store.get(tenant_id, body.previous_response_id)
+        if store is None:
+            raise bad_request("this server keeps no responses (--max-stored-responses 0): send the whole "
+                              "conversation in input", "previous_response_id")
+        found = store.get(tenant_id, body.previous_response_id)
         if found is None:
             raise APIError(404, f"Previous response with id '{body.previous_response_id[:64]}' not found.",
                            param="previous_response_id", code="previous_response_not_found")

@@ -80,6 +80,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_batch_tokens": ("PREFIXSERVE_MAX_BATCH_TOKENS", int, EngineConfig().max_batch_tokens),
     "max_queued_requests": ("PREFIXSERVE_MAX_QUEUED_REQUESTS", int, EngineConfig().max_queued_requests),
     "default_max_tokens": ("PREFIXSERVE_DEFAULT_MAX_TOKENS", int, DEFAULT_MAX_TOKENS),
+    "max_stored_responses": ("PREFIXSERVE_MAX_STORED_RESPONSES", int, ServerConfig().max_stored_responses),
     "max_session_bytes": ("PREFIXSERVE_MAX_SESSION_BYTES", parse_bytes, EngineConfig().max_session_bytes),
     "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "model_cache_dir": ("PREFIXSERVE_MODEL_CACHE_DIR", str, None),  # None = models.prepared.default_cache_dir
@@ -152,6 +153,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--default-max-tokens", type=int, metavar="N",
       help="max_tokens of a request that names none, within the room its prompt leaves; /health and /v1/models "
            f"report it (PREFIXSERVE_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS}; completions: OpenAI's 16)")
+    a("--max-stored-responses", type=int, metavar="N",
+      help="/v1/responses answers kept in memory per server for previous_response_id and GET /v1/responses/{id}, "
+           "least recently used out first; 0 keeps none (PREFIXSERVE_MAX_STORED_RESPONSES; default 4096)")
     a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
@@ -218,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
             ledger_path=s["ledger_path"] or str(data_dir / "usage.sqlite3"),
             pricing_path=s["pricing"],
             default_max_tokens=s["default_max_tokens"],
+            max_stored_responses=s["max_stored_responses"],
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         data_dir.mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,15 @@ def test_the_store_forgets_least_recently_used_first_within_its_bounds() -> None
     store.put("t", "huge", [{"role": "user", "content": "x" * 20_000}], {"id": "huge"})
     assert store.get("t", "huge") is None and store.get("t", "big") is not None  # never kept, nothing evicted
     assert store.get("other", "big") is None
+
+
+def test_a_server_that_keeps_no_responses_says_so(engine: FakeEngine) -> None:
+    from prefixserve.config import ServerConfig
+    from prefixserve.server.app import create_app
+
+    with TestClient(create_app(engine, ServerConfig(max_stored_responses=0))) as open_client:
+        made = open_client.post(R, json={"input": "x", "max_output_tokens": 1}).json()
+        assert made["store"] is False
+        assert open_client.get(f"{R}/{made['id']}").status_code == 404
+        r = open_client.post(R, json={"input": "y", "previous_response_id": made["id"]})
+        assert r.status_code == 400 and "keeps no responses" in r.json()["error"]["message"]
