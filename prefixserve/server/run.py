@@ -101,25 +101,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--port", type=int, help="port (PREFIXSERVE_PORT; default 8000)")
     a("--model", help="GGUF file or model directory (PREFIXSERVE_MODEL; default: the embedded SmolLM2-135M)")
     a("--served-model-name", help="model id in the API (PREFIXSERVE_SERVED_MODEL_NAME)")
-    a(
-        "--api-key",
-        action="append",
-        dest="api_keys",
-        metavar="KEY",
-        help="an API key, or 'TENANT KEY'; repeat for more tenants (PREFIXSERVE_API_KEYS, comma-separated)",
-    )
-    a(
-        "--api-keys-file",
-        metavar="FILE",
-        help="one 'KEY' or 'TENANT KEY' per line, '#' comments (PREFIXSERVE_API_KEYS_FILE)",
-    )
+    a("--api-key", action="append", dest="api_keys", metavar="KEY",
+      help="an API key, or 'TENANT KEY'; repeat for more tenants (PREFIXSERVE_API_KEYS, comma-separated)")
+    a("--api-keys-file", metavar="FILE",
+      help="one 'KEY' or 'TENANT KEY' per line, '#' comments (PREFIXSERVE_API_KEYS_FILE)")
     a("--admin-key", metavar="KEY", help="key for the usage API across tenants (PREFIXSERVE_ADMIN_KEY)")
-    a(
-        "--cache-max-bytes",
-        type=parse_bytes,
-        metavar="N",
-        help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)",
-    )
+    a("--cache-max-bytes", type=parse_bytes, metavar="N",
+      help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)")
     a("--cache-dir", metavar="PATH",
       help="the disk cache tier's directory (PREFIXSERVE_CACHE_DIR; default <data-dir>/cache)")
     a("--cache-disk-bytes", type=parse_bytes, metavar="N",
