@@ -39,6 +39,7 @@ from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, T
 from prefixserve.types import TokenLogprob, Usage
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # `include`: each output_text part and delta carries its tokens' logprobs
 
 
 def prepare_response(
@@ -59,8 +60,7 @@ def prepare_response(
                            param="previous_response_id", code="previous_response_not_found")
         history = found.messages
     for name, why in (("conversation", "conversation objects are not kept: use previous_response_id"),
-                      ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground"),
-                      ("top_logprobs", "logprobs are not offered on this endpoint")):
+                      ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground")):
         if getattr(body, name) not in (None, False, 0):
             raise bad_request(f"{name} is not supported here ({why})", name)
     if body.truncation not in (None, "disabled"):
@@ -79,6 +79,8 @@ def prepare_response(
         chat["tool_choice"] = _tool_choice(body.tool_choice)
     if (fmt := _format(body.text)) is not None:
         chat["response_format"] = fmt
+    if LOGPROBS in (body.include or []) or body.top_logprobs is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
     try:
         prepared = prepare_chat(ChatCompletionRequest.model_validate(chat), engine, tenant_id, default_max_tokens, memo)
     except ValidationError as e:
@@ -100,7 +102,8 @@ def prepare_response(
         def keep(response: dict[str, Any]) -> None:
             store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], response)
     shape = ResponseShape(id=response_id, model=prepared.shape.model, include_usage=True,
-                          fingerprint=prepared.shape.fingerprint, tools=prepared.shape.tools, echo=echo, keep=keep)
+                          fingerprint=prepared.shape.fingerprint, logprobs=prepared.shape.logprobs,
+                          tools=prepared.shape.tools, echo=echo, keep=keep)
     return replace(prepared, shape=shape)
 
 
@@ -224,6 +227,8 @@ class ResponseShape(Shape):
     _stream: ToolCallStream | None = None
     _message_id: str = ""  # the streamed message item, once opened
     _text: str = ""
+    _pending: list[TokenLogprob] = field(default_factory=list)  # logprobs of tokens whose text is not out yet
+    _sent: list[dict[str, Any]] = field(default_factory=list)  # logprobs that went out with the message's text
     _output: list[dict[str, Any]] = field(default_factory=list)
     _finish: str = "stop"
 
@@ -231,8 +236,9 @@ class ResponseShape(Shape):
         c = choices[0]
         reply = parse_tool_calls(c.text, self.tools) if self.tools else ParsedReply(c.text, ())
         cut = c.finish_reason == "length" and not reply.calls
+        lps = self._rendered(c.logprobs) if not reply.calls else []  # a reply with calls: no text logprobs
         output = [] if reply.content is None and reply.calls else [
-            _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut)]
+            _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut, lps)]
         output += [_call(call) for call in reply.calls]
         return self._kept(self._response(output, usage, "tool_calls" if reply.calls else c.finish_reason))
 
@@ -244,6 +250,7 @@ class ResponseShape(Shape):
                finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
         if self.tools is not None and self._stream is None:
             self._stream = ToolCallStream(self.tools)
+        self._pending += logprobs
         out = self._delta(self._stream.feed(text) if self._stream is not None else text)
         if finish_reason is None:
             return out
@@ -257,10 +264,11 @@ class ResponseShape(Shape):
         if self._message_id or not calls:  # an empty reply is still one (empty) message
             if not self._message_id:
                 out += self._open_message()
-            item = _message(self._message_id, self._text, self._finish == "length")
+            lps = [] if calls else self._sent
+            item = _message(self._message_id, self._text, self._finish == "length", lps)
             part = item["content"][0]
             ids = {"item_id": self._message_id, "output_index": 0}
-            out += [self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[]),
+            out += [self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=lps),
                     self._event("response.content_part.done", **ids, content_index=0, part=part),
                     self._event("response.output_item.done", output_index=0, item=item)]
             self._output.append(item)
@@ -297,8 +305,15 @@ class ResponseShape(Shape):
             return []
         out = [] if self._message_id else self._open_message()
         self._text += text
+        lps = self._rendered(self._pending)
+        self._pending = []
+        self._sent += lps
         return [*out, self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                  content_index=0, delta=text, logprobs=[])]
+                                  content_index=0, delta=text, logprobs=lps)]
+
+    def _rendered(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """OpenAI's logprobs entries ({token, logprob, bytes, top_logprobs}), when the request asked for them."""
+        return [] if self.logprobs is None or not entries else self.logprobs.chat(entries)["content"]
 
     def _open_message(self) -> list[dict[str, Any]]:
         self._message_id = f"msg_{uuid.uuid4().hex}"
@@ -319,10 +334,10 @@ class ResponseShape(Shape):
                 "usage": None if usage is None else usage_object(usage)}
 
 
-def _message(item_id: str, text: str, cut: bool = False) -> dict[str, Any]:
+def _message(item_id: str, text: str, cut: bool = False, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """An assistant message item; `cut`: max_output_tokens ended it (status incomplete, as OpenAI)."""
     return {"type": "message", "id": item_id, "status": "incomplete" if cut else "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _call(call: ToolCallOut) -> dict[str, Any]:

@@ -132,11 +132,12 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # false: the response is not kept for previous_response_id
     previous_response_id: str | None = None
     truncation: str | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is the one acted on
+    top_logprobs: int | None = None
     # refused unless neutral: features this server does not have
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
-    top_logprobs: int | None = None
 
 
 class TokenizeRequest(BaseModel):

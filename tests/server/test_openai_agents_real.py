@@ -163,6 +163,15 @@ def test_the_responses_api_answers_as_chat_does_and_shares_its_cache(server: Ser
     assert evs[-1].type == f"response.{r.status}"
     assert text == final.output_text == r.output_text
     assert final.usage is not None and final.usage.input_tokens_details.cached_tokens == r.usage.input_tokens
+    chat_lp = c.chat.completions.create(model=model_id(server), messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "When do you open?"}],
+        max_tokens=12, temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs
+    resp_lp = c.responses.create(model=model_id(server), instructions=system, input="When do you open?",
+                                 max_output_tokens=12, temperature=0, include=["message.output_text.logprobs"],
+                                 top_logprobs=2).output[0].content[0].logprobs
+    assert chat_lp is not None and chat_lp.content is not None and resp_lp
+    assert [(e.token, e.logprob, [t.logprob for t in e.top_logprobs]) for e in resp_lp] == \
+        [(e.token, e.logprob, [t.logprob for t in e.top_logprobs]) for e in chat_lp.content]
 
 
 def test_a_tool_round_trip_on_the_responses_api(server: ServerProcess) -> None:

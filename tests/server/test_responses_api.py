@@ -121,6 +121,7 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
         ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"input": "x", "temperature": 9}, "temperature"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_input_names_the_responses_field(client: TestClient, body: dict[str, Any], param: str) -> None:
@@ -225,3 +226,18 @@ def test_a_server_that_keeps_no_responses_says_so(engine: FakeEngine) -> None:
         assert open_client.get(f"{R}/{made['id']}").status_code == 404
         r = open_client.post(R, json={"input": "y", "previous_response_id": made["id"]})
         assert r.status_code == 400 and "keeps no responses" in r.json()["error"]["message"]
+
+
+def test_logprobs_when_included_streamed_and_not(client: TestClient) -> None:
+    body = {"input": "hello", "max_output_tokens": 4, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    part = client.post(R, json=body, headers=auth()).json()["output"][0]["content"][0]
+    assert [e["token"] for e in part["logprobs"]] == list(part["text"]) and len(part["logprobs"]) == 4
+    first = part["logprobs"][0]
+    assert first["logprob"] == -0.5 and first["bytes"] == list(first["token"].encode())
+    assert [t["logprob"] for t in first["top_logprobs"]] == [-0.5, -1.5]
+    evs = events(client.post(R, json={**body, "stream": True}, headers=auth()).text)
+    streamed = [e for ev in evs if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    done = next(ev for ev in evs if ev["type"] == "response.output_text.done")
+    assert streamed == done["logprobs"] == evs[-1]["response"]["output"][0]["content"][0]["logprobs"] == part["logprobs"]
+    plain = client.post(R, json={"input": "hello", "max_output_tokens": 4}, headers=auth()).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
