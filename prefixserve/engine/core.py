@@ -264,7 +264,7 @@ class EngineCore:
             s = self.waiting.popleft()
             s.reserved_bytes = need
             self._reserved_bytes += need
-            if self.exact_reuse and s.request.sampling.prompt_logprobs is None and self.loads.park(s):
+            if self._reuses(s.request) and self.loads.park(s):
                 continue
             self.running.append(s)
             self._start(s)
@@ -274,8 +274,7 @@ class EngineCore:
 
     def _start(self, s: Session) -> None:
         req = s.request
-        # prompt logprobs need the logits of every prompt position, which no cache entry holds: computed
-        reuse = self.exact_reuse and req.sampling.prompt_logprobs is None
+        reuse = self._reuses(req)
         refilled = self.refills.complete_for(req.namespace, tuple(req.prompt_ids)) if self.refills and reuse else (0, 0)
         hit = self.cache.lookup(req.namespace, req.prompt_ids) if reuse else None
         if isinstance(hit, Hit):
@@ -297,6 +296,11 @@ class EngineCore:
         s.phase = Phase.PREFILL
         # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
         self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
+
+    def _reuses(self, req: Request) -> bool:
+        """Whether `req` may be served from any cache tier. Not where the self-test refused reuse, and
+        not with prompt logprobs: they need the logits of every prompt position, which no entry holds."""
+        return self.exact_reuse and req.sampling.prompt_logprobs is None
 
     def _restore(self, s: Session) -> None:
         """Give the session its own state: a deep copy of the pinned hit, or a fresh one, with room for

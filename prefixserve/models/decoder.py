@@ -344,4 +344,3 @@ class Decoder:
                 [s.start for _, s in singles],
             )
         return out
-

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from prefixserve.models.final_rows import Scores
 from prefixserve.types import SamplingParams, TokenLogprob
 
 MIN_TEMPERATURE = 1e-5  # below this, 1/T overflows fp32 and the distribution is argmax anyway
@@ -76,7 +77,7 @@ def token_logprob(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLog
     return TokenLogprob(token_id=token_id, logprob=float(lp[token_id]), top=top)
 
 
-def scored_logprobs(targets: Sequence[int], scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[TokenLogprob]:
+def scored_logprobs(targets: Sequence[int], scores: Scores) -> list[TokenLogprob]:
     """A prefill step's prompt logprobs (models/final_rows.py score_rows) as one TokenLogprob per target."""
     lps, ids, tops = (t.tolist() for t in scores)
     return [TokenLogprob(token_id=t, logprob=v, top=tuple(zip(i, p, strict=True)))

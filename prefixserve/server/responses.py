@@ -123,7 +123,11 @@ class CompletionShape(Shape):
         return out
 
     def _prefix(self, index: int) -> str:
-        return self.echo[min(index // self.per_prompt, len(self.echo) - 1)][0] if self.echo else ""
+        return self._echoed(index)[0] if self.echo else ""
+
+    def _echoed(self, index: int) -> tuple[str, int]:
+        """The text and first token id of the prompt choice `index` belongs to."""
+        return self.echo[min(index // self.per_prompt, len(self.echo) - 1)]
 
     def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...],
                   prompt: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any] | None:
@@ -133,8 +137,7 @@ class CompletionShape(Shape):
         out = self.logprobs.completion(entries, start)
         self._offsets[index] = start + sum(len(t) for t in out["tokens"])
         if prompt is not None and self.echo:
-            first = self.echo[min(index // self.per_prompt, len(self.echo) - 1)][1]
-            out = {k: v + out[k] for k, v in self.logprobs.prompt(first, prompt).items()}
+            out = {k: v + out[k] for k, v in self.logprobs.prompt(self._echoed(index)[1], prompt).items()}
         return out
 
 

@@ -88,17 +88,20 @@ def prepare_response(
     except APIError as e:
         raise _renamed(e, len(system), len(history)) from None
     assert isinstance(prepared.shape, ChatShape)
+    keeping = store is not None and body.store is not False
     sampling = prepared.request.sampling
     echo = {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "user": body.user,
-            "store": store is not None and body.store is not False, "truncation": "disabled", "reasoning": None,
+            "store": keeping, "truncation": "disabled", "reasoning": None,
             "previous_response_id": body.previous_response_id}
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = None
-    if store is not None and body.store is not False:
+    if keeping:
+        assert store is not None
+
         def keep(response: dict[str, Any]) -> None:
             store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], response)
     shape = ResponseShape(id=response_id, model=prepared.shape.model, include_usage=True,
