@@ -30,7 +30,8 @@ from prefixserve.server.generation import respond
 from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
 from prefixserve.server.prompt_memo import NotRemembered, PromptMemo
-from prefixserve.server.response_store import ResponseStore
+from prefixserve.server.response_items import listed
+from prefixserve.server.response_store import ResponseStore, Stored
 from prefixserve.server.responses import Prepared
 from prefixserve.server.responses_api import prepare_response
 from prefixserve.server.schemas import (
@@ -144,13 +145,20 @@ def create_app(
         prepare = functools.partial(prepare_response, store=stored)
         return await _generate(request, await _prepare(prepare, body, tenant_id, inline=inline))
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    def stored_response(response_id: str, request: Request) -> Stored:
         tenant_id = keys.tenant_for_generation(authorization(request))
         found = None if stored is None else stored.get(tenant_id, response_id)
         if found is None:  # another tenant's id is not found either
             raise APIError(404, f"No response with id '{response_id[:64]}' found.", param="response_id")
-        return found.response
+        return found
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return stored_response(response_id, request).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
+        return listed(stored_response(response_id, request).items, dict(request.query_params))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:

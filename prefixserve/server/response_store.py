@@ -23,6 +23,7 @@ MAX_CHARS = 64 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class Stored:
     messages: tuple[dict[str, Any], ...]  # the conversation through this response's output, as chat messages
+    items: tuple[dict[str, Any], ...]  # the same conversation before the output, as typed input items
     response: dict[str, Any]  # the response object as it was answered
     chars: int
 
@@ -37,13 +38,14 @@ class ResponseStore:
         self._items: OrderedDict[tuple[str, str], Stored] = OrderedDict()
         self._chars = 0
 
-    def put(self, tenant_id: str, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
-        chars = len(json.dumps(messages, default=str)) + len(json.dumps(response, default=str))
+    def put(self, tenant_id: str, response_id: str, messages: list[dict[str, Any]],
+            items: tuple[dict[str, Any], ...], response: dict[str, Any]) -> None:
+        chars = sum(len(json.dumps(part, default=str)) for part in (messages, items, response))
         if chars > self.max_chars:
             return
         with self._lock:
             self._pop((tenant_id, response_id))
-            self._items[(tenant_id, response_id)] = Stored(tuple(messages), response, chars)
+            self._items[(tenant_id, response_id)] = Stored(tuple(messages), items, response, chars)
             self._chars += chars
             while len(self._items) > self.max_items or self._chars > self.max_chars:
                 self._pop(next(iter(self._items)))
@@ -54,6 +56,17 @@ class ResponseStore:
             if found is not None:
                 self._items.move_to_end((tenant_id, response_id))
             return found
+
+    def find_item(self, tenant_id: str, item_id: str) -> dict[str, Any] | None:
+        """The input or output item `item_id` of one of the tenant's stored responses (an `item_reference`),
+        the most recently stored first."""
+        with self._lock:
+            for (tenant, _), stored in reversed(self._items.items()):
+                if tenant == tenant_id:
+                    for item in (*stored.response["output"], *stored.items):
+                        if item.get("id") == item_id:
+                            return item
+        return None
 
     def delete(self, tenant_id: str, response_id: str) -> bool:
         with self._lock:

@@ -13,7 +13,8 @@ status `incomplete` with reason `max_output_tokens` when cut), streamed as typed
 A finished response is kept in memory for its tenant (server/response_store.py) unless `store` is
 false: `previous_response_id` continues its conversation (the stored history, then this request's
 `instructions` and `input`, rendered as a client re-sending it all would be, so the cache serves the
-history the same way), and GET / DELETE /v1/responses/{id} read and forget it. `conversation` objects,
+history the same way), GET / DELETE /v1/responses/{id} read and forget it, and its input items can be
+listed or replayed by `item_reference` (server/response_items.py). `conversation` objects,
 stored prompt templates and background runs are refused.
 """
 
@@ -32,13 +33,13 @@ from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.errors import APIError, bad_request, validation_error
 from prefixserve.server.prompt_memo import PromptMemo
+from prefixserve.server.response_items import chat_messages, resolved, typed_items
 from prefixserve.server.response_store import ResponseStore
 from prefixserve.server.responses import ChatShape, ChoiceOutput, Prepared, Shape
 from prefixserve.server.schemas import ChatCompletionRequest, ResponsesRequest
 from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.types import TokenLogprob, Usage
 
-TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # `include`: each output_text part and delta carries its tokens' logprobs
 
 
@@ -50,6 +51,7 @@ def prepare_response(
     naming the Responses field (404 for a `previous_response_id` the tenant has not stored). With a
     `store`, the finished response is kept there unless the body says `store: false`."""
     history: tuple[dict[str, Any], ...] = ()
+    history_items: tuple[dict[str, Any], ...] = ()
     if body.previous_response_id is not None:
         if store is None:
             raise bad_request("this server keeps no responses (--max-stored-responses 0): send the whole "
@@ -58,14 +60,16 @@ def prepare_response(
         if found is None:
             raise APIError(404, f"Previous response with id '{body.previous_response_id[:64]}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
-        history = found.messages
+        history, history_items = found.messages, (*found.items, *found.response["output"])
     for name, why in (("conversation", "conversation objects are not kept: use previous_response_id"),
                       ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground")):
         if getattr(body, name) not in (None, False, 0):
             raise bad_request(f"{name} is not supported here ({why})", name)
     if body.truncation not in (None, "disabled"):
         raise bad_request("truncation must be 'disabled': a prompt that does not fit is an error", "truncation")
-    conversation = [*history, *_messages(body)]  # what a later request's previous_response_id continues
+    find = (lambda item_id: store.find_item(tenant_id, item_id)) if store is not None else (lambda item_id: None)
+    given = resolved(body.input, find)
+    conversation = [*history, *chat_messages(given)]  # what a later request's previous_response_id continues
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {"messages": [*system, *conversation], "stream": body.stream}
     for name in ("model", "temperature", "top_p", "user", "cache_salt", "parallel_tool_calls", "seed"):
@@ -102,8 +106,10 @@ def prepare_response(
     if keeping:
         assert store is not None
 
+        items = (*history_items, *typed_items(given))  # GET /v1/responses/{id}/input_items
+
         def keep(response: dict[str, Any]) -> None:
-            store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], response)
+            store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], items, response)
     shape = ResponseShape(id=response_id, model=prepared.shape.model, include_usage=True,
                           fingerprint=prepared.shape.fingerprint, logprobs=prepared.shape.logprobs,
                           tools=prepared.shape.tools, echo=echo, keep=keep)
@@ -116,50 +122,6 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
-
-
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """`input` as chat messages."""
-    out: list[dict[str, Any]] = []
-    items = body.input
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad_request("input must be a string or a non-empty list of items", "input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request("an input item must be an object", where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            out.append({"role": item.get("role"), "content": _content(item.get("content"), where)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if out and out[-1]["role"] == "assistant":  # text and calls of one turn: one assistant message
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": _content(item.get("output"), where, "output")})
-        else:
-            raise bad_request(f"input item type {kind!r} is not supported (message, function_call, "
-                              "function_call_output)", f"{where}.type")
-    return out
-
-
-def _content(content: Any, where: str, name: str = "content") -> Any:
-    """A string, or text parts (input_text / output_text) as chat text parts."""
-    if not isinstance(content, list):
-        return content
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise bad_request(f"content part type {kind!r} is not supported (only text)", f"{where}.{name}[{j}].type")
-        parts.append({"type": "text", "text": part.get("text")})
-    return parts
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

@@ -210,6 +210,11 @@ def test_previous_response_id_chains_a_conversation_through_the_cache(server: Se
     assert chained.usage.input_tokens == resent.usage.input_tokens
     assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     assert c.responses.retrieve(chained.id).output_text == chained.output_text
+    items = list(c.responses.input_items.list(chained.id, order="asc"))  # the client pages through them
+    assert [i.type for i in items] == ["message"] * 3 and items[1].id == first.output[0].id
+    by_ref = c.responses.create(input=[{"type": "item_reference", "id": i.id} for i in items], store=False, **ask)
+    assert by_ref.output_text == chained.output_text and by_ref.usage is not None
+    assert by_ref.usage.input_tokens_details.cached_tokens == by_ref.usage.input_tokens  # the same prompt, in full
     c.responses.delete(chained.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(chained.id)

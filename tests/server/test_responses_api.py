@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.helpers.fake_engine import FakeEngine
-from tests.server.conftest import KEY_B, auth
+from tests.server.conftest import KEY_A, KEY_B, auth
 
 R, CH = "/v1/responses", "/v1/chat/completions"
 TOOLS_R = [{"type": "function", "name": "add", "description": "Add.", "parameters": {"type": "object"}}]
@@ -200,18 +200,67 @@ def test_stored_responses_are_the_tenants_own(client: TestClient) -> None:
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_input_items_list_the_conversation_a_response_answered(client: TestClient) -> None:
+    """GET /v1/responses/{id}/input_items: OpenAI's list of the items the response took as input, a
+    chain's earlier turns included, newest first unless order=asc, paged by item id."""
+    first = client.post(R, json={"instructions": "Be terse.", "input": "hello", "max_output_tokens": 2},
+                        headers=auth()).json()
+    said = first["output"][0]
+    listed = client.get(f"{R}/{first['id']}/input_items", headers=auth()).json()
+    [item] = listed["data"]
+    assert listed["object"] == "list" and listed["has_more"] is False and listed["first_id"] == item["id"]
+    assert item["type"] == "message" and item["role"] == "user" and item["id"].startswith("msg_")
+    assert item["content"] == [{"type": "input_text", "text": "hello"}]  # instructions are no input item
+    later = [{"role": "user", "content": [{"type": "input_text", "text": "more"}]},
+             {"type": "function_call_output", "call_id": "call_9", "output": "42", "id": "fco_given"}]
+    second = client.post(R, json={"input": later, "previous_response_id": first["id"], "max_output_tokens": 2},
+                         headers=auth()).json()
+    asc = client.get(f"{R}/{second['id']}/input_items", params={"order": "asc", "limit": 100}, headers=auth()).json()
+    assert [i["id"] for i in asc["data"][:2]] == [item["id"], said["id"]]  # the first turn, its answer
+    assert asc["data"][1]["content"][0]["text"] == said["content"][0]["text"]
+    assert asc["data"][3] == {"type": "function_call_output", "id": "fco_given", "call_id": "call_9", "output": "42",
+                              "status": "completed"}
+    ids = [i["id"] for i in asc["data"]]
+    page = client.get(f"{R}/{second['id']}/input_items", params={"limit": 2}, headers=auth()).json()
+    assert [i["id"] for i in page["data"]] == ids[::-1][:2] and page["has_more"] is True
+    rest = client.get(f"{R}/{second['id']}/input_items", params={"after": page["last_id"]}, headers=auth()).json()
+    assert [i["id"] for i in rest["data"]] == ids[::-1][2:] and rest["has_more"] is False
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        r = client.get(f"{R}/{second['id']}/input_items", params=query, headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert client.get(f"{R}/{second['id']}/input_items", headers=auth(KEY_B)).status_code == 404
+
+
+def test_an_item_reference_replays_a_stored_item(client: TestClient, engine: FakeEngine) -> None:
+    """{"type": "item_reference", "id": ...} (as the Codex CLI replays a conversation) stands for that
+    item of one of the key's stored responses: keyed as the same conversation sent in full."""
+    first = client.post(R, json={"input": "hello", "max_output_tokens": 3}, headers=auth()).json()
+    user_id = client.get(f"{R}/{first['id']}/input_items", headers=auth()).json()["first_id"]
+    answer = first["output"][0]
+    by_ref = [{"type": "item_reference", "id": user_id}, {"type": "item_reference", "id": answer["id"]},
+              {"role": "user", "content": "more"}]
+    assert client.post(R, json={"input": by_ref, "max_output_tokens": 2}, headers=auth()).status_code == 200
+    in_full = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": answer["content"][0]["text"]},
+               {"role": "user", "content": "more"}]
+    client.post(CH, json={"messages": in_full, "max_tokens": 2}, headers=auth())
+    assert engine.requests[-2].prompt_ids == engine.requests[-1].prompt_ids
+    for key, ref in ((KEY_B, answer["id"]), (KEY_A, "msg_unknown")):  # another key's item is not found either
+        r = client.post(R, json={"input": [{"type": "item_reference", "id": ref}]}, headers=auth(key))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].id"
+
+
 def test_the_store_forgets_least_recently_used_first_within_its_bounds() -> None:
     from prefixserve.server.response_store import ResponseStore
 
     store = ResponseStore(max_items=2, max_chars=10_000)
     for rid in ("a", "b"):
-        store.put("t", rid, [{"role": "user", "content": rid}], {"id": rid})
+        store.put("t", rid, [{"role": "user", "content": rid}], (), {"id": rid})
     assert store.get("t", "a") is not None  # now the most recent
-    store.put("t", "c", [], {"id": "c"})
+    store.put("t", "c", [], (), {"id": "c"})
     assert [store.get("t", r) is not None for r in "abc"] == [True, False, True]
-    store.put("t", "big", [{"role": "user", "content": "x" * 9_950}], {"id": "big"})
+    store.put("t", "big", [{"role": "user", "content": "x" * 9_950}], (), {"id": "big"})
     assert store.get("t", "big") is not None and len(store) == 1  # the rest made room
-    store.put("t", "huge", [{"role": "user", "content": "x" * 20_000}], {"id": "huge"})
+    store.put("t", "huge", [{"role": "user", "content": "x" * 20_000}], (), {"id": "huge"})
     assert store.get("t", "huge") is None and store.get("t", "big") is not None  # never kept, nothing evicted
     assert store.get("other", "big") is None
 
