@@ -5,12 +5,16 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from prefixserve.models.arch import ModelLoadError
 from prefixserve.types import TemplateError
+
+MARK_OPEN, MARK_CLOSE = "\ue000\ue001", "\ue002"  # private-use characters around a written text's number
+MARK = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
 
 
 class Tokenizer:
@@ -26,6 +30,10 @@ class Tokenizer:
         eos = [i for i in [hf_tokenizer.eos_token_id, *extra_eos_ids] if isinstance(i, int)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(hf_tokenizer)
+        specials = sorted({t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values()
+                           if getattr(t, "special", False) and t.content}, key=len, reverse=True)
+        # the control tokens' texts: in a chat message they are text, never the tokens (render_chat)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     @property
     def extra_eos_ids(self) -> tuple[int, ...]:
@@ -51,8 +59,16 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
+        """The template's text as token ids. Text a client wrote (message contents, tool calls and
+        definitions) that spells a control token, say `<|im_end|>`, stays text: it is swapped for a
+        marker while the template runs and encoded with special tokens split, so no message can open
+        a turn of its own (as OpenAI's API treats such text). Prompts without such text encode as
+        the template's whole text always has."""
         if not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; use /v1/completions")
+        written: list[str] = []
+        if self._specials is not None:
+            messages, tools = self._marked(messages, written), self._marked(tools, written)
         with self._lock:
             try:
                 text = self.hf.apply_chat_template(
@@ -60,7 +76,36 @@ class Tokenizer:
                 )
             except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
                 raise TemplateError(f"chat template rejected the messages: {e}") from e
-            return list(self.hf.encode(text, add_special_tokens=False))
+            if not written:
+                return list(self.hf.encode(text, add_special_tokens=False))
+            pieces = MARK.split(text)  # template text, marker number, template text, ...
+            if sorted(int(k) for k in pieces[1::2]) != list(range(len(written))):
+                raise TemplateError("a message spells one of the model's control tokens in a place this chat "
+                                    "template rewrites; remove the control token text")
+            ids: list[int] = []
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    ids += self.hf.encode(written[int(piece)], add_special_tokens=False, split_special_tokens=True)
+                elif piece:
+                    ids += self.hf.encode(piece, add_special_tokens=False)
+            return ids
+
+    def _marked(self, value: Any, written: list[str]) -> Any:
+        """`value` with each string that spells a control token replaced by a marker (its text kept in
+        `written`); the same object where nothing is replaced."""
+        assert self._specials is not None
+        if isinstance(value, str):
+            if not self._specials.search(value):
+                return value
+            written.append(value)
+            return f"{MARK_OPEN}{len(written) - 1}{MARK_CLOSE}"
+        if isinstance(value, dict):
+            new = {k: self._marked(v, written) for k, v in value.items()}
+            return value if all(new[k] is value[k] for k in value) else new
+        if isinstance(value, list):
+            items = [self._marked(v, written) for v in value]
+            return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+        return value
 
 
 def load_tokenizer_gguf(path: str) -> Tokenizer:

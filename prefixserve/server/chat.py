@@ -60,10 +60,11 @@ def prepare_chat(
         prompt_ids = memo.ids(ns, input_digest("chat", messages, tool_list),
                               lambda: render_prompt(engine, messages, tool_list))
     check_fits(len(prompt_ids), engine.max_model_len)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sampling = params.sampling_params(body, max_tokens, default_max_tokens, engine.max_model_len, len(prompt_ids),
-                                      engine.vocab_size, num_logprobs, constraint)
-    setup = None if tool_list is None else tools.ToolSetup(
+    named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    sampling = params.sampling_params(body, getattr(body, named), default_max_tokens, engine.max_model_len,
+                                      len(prompt_ids), engine.vocab_size, num_logprobs, constraint,
+                                      max_tokens_name=named)
+    setup = None if tool_list is None or body.tool_choice == "none" else tools.ToolSetup(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)
     shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),
                       fingerprint=engine.health().fingerprint,
@@ -82,13 +83,14 @@ def check_logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]] | None:
-    """The tools to render, or None (no tools, or tool_choice 'none': left out of the prompt).
-    Each function's name follows OpenAI's rule and its `parameters` must be a JSON schema of an
-    object that compiles."""
+    """The tools to render, or None. With tool_choice 'none' they are rendered all the same (as OpenAI
+    keeps them visible), so the turn that must answer in text is keyed by the same prefix as the turns
+    that called them; only its reply is not parsed for calls. Each function's name follows OpenAI's
+    rule and its `parameters` must be a JSON schema of an object that compiles."""
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
-    if not body.tools or choice == "none":
+    if not body.tools:
         return None
     out = [tool.model_dump(exclude_none=True) for tool in body.tools]
     for i, tool in enumerate(out):
@@ -161,10 +163,17 @@ def render_prompt(
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """The chat template's token ids. With tools, a template that ignores them (same ids with and
-    without) gets the generic fallback of tools.py instead. A template that rejects the messages is
-    the client's error (400)."""
+    without) gets the generic fallback of tools.py instead. Without tools, earlier calls a template
+    would drop are written as text all the same (the model must see what it called). A template that
+    rejects the messages is the client's error (400)."""
     if tool_list is None:
-        return _render(engine, messages, None, add_generation_prompt)
+        native = _render(engine, messages, None, add_generation_prompt)
+        if not any(m.get("tool_calls") for m in messages):
+            return native
+        if native != _render(engine, [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], None,
+                             add_generation_prompt):
+            return native  # the template writes calls itself
+        return _render(engine, calls_as_text(messages), None, add_generation_prompt)
     native = _render(engine, messages, tool_list, add_generation_prompt)
     if native != _render(engine, messages, None, add_generation_prompt):
         return native
@@ -173,15 +182,21 @@ def render_prompt(
 
 def fallback_messages(messages: list[dict[str, Any]], tool_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with the tools described in the system message and earlier calls as text."""
-    out = [dict(m) for m in messages]
-    for m in out:
-        if m.get("tool_calls"):
-            m["content"] = (m["content"] + "\n" if m["content"] else "") + tools.calls_as_text(m.pop("tool_calls"))
+    out = calls_as_text(messages)
     described = tools.fallback_system_message(tool_list)
     if out and out[0]["role"] == "system":
         out[0]["content"] = out[0]["content"] + "\n\n" + described
     else:
         out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each assistant message's tool calls written into its content (tools.py's syntax)."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("tool_calls"):
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + tools.calls_as_text(m.pop("tool_calls"))
     return out
 
 
@@ -226,12 +241,13 @@ def message_text(content: Any, where: str, msg: ChatMessage) -> str:
         if not isinstance(part, dict):
             raise bad_request("a content part must be an object", param)
         kind = part.get("type")
-        if kind != "text":
+        field = "refusal" if kind == "refusal" and msg.role == "assistant" else "text"  # an assistant's refusal is its text
+        if kind != field:
             raise bad_request(f"content part type {kind!r} is not supported (only 'text')", f"{param}.type")
-        text = part.get("text")
+        text = part.get(field)
         if not isinstance(text, str):
-            raise bad_request("a text part needs a string 'text'", f"{param}.text")
-        texts.append(params.check_text(text, f"{param}.text"))
+            raise bad_request(f"a {kind} part needs a string '{field}'", f"{param}.{field}")
+        texts.append(params.check_text(text, f"{param}.{field}"))
     return "\n".join(texts)
 
 

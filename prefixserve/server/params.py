@@ -85,24 +85,25 @@ def check_logit_bias(value: dict[str, Any] | None, vocab_size: int) -> tuple[tup
 def sampling_params(
     body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int, prompt_len: int,
     vocab_size: int, num_logprobs: int | None = None, constraint: Constraint | None = None,
-    prompt_logprobs: int | None = None, zero_tokens_ok: bool = False,
+    prompt_logprobs: int | None = None, zero_tokens_ok: bool = False, max_tokens_name: str = "max_tokens",
 ) -> SamplingParams:
     """The engine's SamplingParams for a prompt of `prompt_len` tokens (the longest, for several).
 
     A given max_tokens must fit beside the prompt: prompt + max_tokens beyond the context is a 400
     `context_length_exceeded` (as OpenAI and vLLM answer), never a silent cut. Without one, the
     server's `--default-max-tokens` applies, capped by the room the prompt leaves. `zero_tokens_ok`:
-    max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid."""
+    max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid.
+    `max_tokens_name`: the field the client set it with (chat's max_completion_tokens), for errors."""
     room = max_model_len - prompt_len  # >= 1: the caller checked the prompt fits (check_fits)
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, room))
     elif max_tokens < (0 if zero_tokens_ok else 1):
-        raise bad_request("max_tokens must be at least 1", "max_tokens")
+        raise bad_request(f"{max_tokens_name} must be at least 1", max_tokens_name)
     elif max_tokens > room:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-            "Please reduce the length of the prompt or max_tokens.", "max_tokens", "context_length_exceeded",
+            f"Please reduce the length of the prompt or {max_tokens_name}.", max_tokens_name, "context_length_exceeded",
         )
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= MAX_TEMPERATURE:

@@ -146,7 +146,10 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      400, "response_format"),
     (CH, {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions"),
-    (CH, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_tokens"),
+    (CH, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),  # the field it was set by
+    (CH, {"messages": MSGS, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, 400,
+     "messages[0].content[0].type"),  # only an assistant's text may be a refusal
     (CH, {"messages": MSGS, "n": 17}, 400, "n"),
     (CH, {"messages": MSGS, "n": -1}, 400, "n"),
     (CH, {"messages": MSGS, "cache_salt": ""}, 400, "cache_salt"),

@@ -213,8 +213,9 @@ def test_chat_messages_parts_tools_and_roles(client: TestClient, engine: FakeEng
         json={"messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": 2},
         headers=auth(),
     )
-    assert r.status_code == 200
-    assert "<tools>" not in engine.tokenizer.decode(engine.requests[1].prompt_ids)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls") is None
+    # tool_choice none keeps the tools visible (as OpenAI): the same prompt as the turns that call them
+    assert engine.requests[1].prompt_ids == engine.requests[0].prompt_ids
     # a tools request is cached like any other: the key is the rendered prompt
     r = client.post(
         "/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 2}, headers=auth()
@@ -400,3 +401,13 @@ def test_shutdown_drains_the_engine(make_client: Any, engine: FakeEngine) -> Non
     client = make_client()
     client.__exit__(None, None, None)
     assert engine.shutdown_calls == [True]
+
+
+def test_an_assistant_refusal_part_is_its_text(client: TestClient, engine: FakeEngine) -> None:
+    """A client replaying an assistant message that refused (OpenAI's content part {"type": "refusal"})."""
+    messages = [{"role": "user", "content": "do it"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+                {"role": "user", "content": "ok"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, headers=auth())
+    assert r.status_code == 200, r.text
+    assert "<assistant>I can't help with that.\n" in engine.tokenizer.decode(engine.requests[-1].prompt_ids)
