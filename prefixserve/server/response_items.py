@@ -19,6 +19,9 @@ from prefixserve.server.errors import APIError, bad_request
 TEXT_PARTS = ("input_text", "output_text", "text")
 KINDS = ("message", "function_call", "function_call_output", "item_reference")
 MAX_LIMIT = 100
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 
 
 def resolved(raw: Any, find: Callable[[str], dict[str, Any] | None]) -> Any:
@@ -37,6 +40,41 @@ def resolved(raw: Any, find: Callable[[str], dict[str, Any] | None]) -> Any:
             item = found
         out.append(item)
     return out
+
+
+def check_include(include: list[str] | None) -> None:
+    """`include` values OpenAI defines; only the logprobs one adds anything here (no reasoning, search,
+    image or code items are ever produced), and an unknown one is a typo to report, as OpenAI does."""
+    for i, value in enumerate(include or ()):
+        if value not in INCLUDABLE:
+            raise bad_request(f"include[{i}] must be one of {', '.join(INCLUDABLE)}", f"include[{i}]")
+
+
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise bad_request("metadata may have at most 16 key-value pairs", "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise bad_request("metadata keys may have at most 64 characters", "metadata")
+        if not isinstance(value, str) or len(value) > 512:
+            raise bad_request(f"metadata[{key[:64]!r}] must be a string of at most 512 characters", "metadata")
+
+
+def check_call_outputs(history: tuple[dict[str, Any], ...], items: Any) -> None:
+    """A `function_call_output` answers a call made before it, in the stored history or in `input`
+    (OpenAI: "No tool call found for function call output with call_id ...")."""
+    called = {c.get("id") for m in history for c in m.get("tool_calls") or ()}
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "function_call":
+            called.add(item.get("call_id"))
+        elif kind == "function_call_output" and item.get("call_id") not in called:
+            call_id = str(item.get("call_id"))[:64]
+            raise bad_request(f"No tool call found for function call output with call_id {call_id}.",
+                              f"input[{i}].call_id")
 
 
 def chat_messages(items: Any) -> list[dict[str, Any]]:

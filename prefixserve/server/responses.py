@@ -75,6 +75,7 @@ class Shape:
 
     chunk_object = ""
     ends_with_done = True  # the stream's last line is `data: [DONE]` (chat and completions, as OpenAI)
+    named_events = False  # each event with an `event: <type>` line (the Responses API, as OpenAI)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

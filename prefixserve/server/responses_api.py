@@ -33,7 +33,14 @@ from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.errors import APIError, bad_request, validation_error
 from prefixserve.server.prompt_memo import PromptMemo
-from prefixserve.server.response_items import chat_messages, resolved, typed_items
+from prefixserve.server.response_items import (
+    chat_messages,
+    check_call_outputs,
+    check_include,
+    check_metadata,
+    resolved,
+    typed_items,
+)
 from prefixserve.server.response_store import ResponseStore
 from prefixserve.server.responses import ChatShape, ChoiceOutput, Prepared, Shape
 from prefixserve.server.schemas import ChatCompletionRequest, ResponsesRequest
@@ -69,6 +76,9 @@ def prepare_response(
         raise bad_request("truncation must be 'disabled': a prompt that does not fit is an error", "truncation")
     find = (lambda item_id: store.find_item(tenant_id, item_id)) if store is not None else (lambda item_id: None)
     given = resolved(body.input, find)
+    check_call_outputs(history, given)
+    check_include(body.include)
+    check_metadata(body.metadata)
     conversation = [*history, *chat_messages(given)]  # what a later request's previous_response_id continues
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {"messages": [*system, *conversation], "stream": body.stream}
@@ -185,6 +195,7 @@ class ResponseShape(Shape):
     """A `response` object, or its stream of typed events (one choice: the Responses API has no `n`)."""
 
     ends_with_done = False  # OpenAI's Responses stream ends with its response.completed event
+    named_events = True
     tools: ToolSetup | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
     keep: Callable[[dict[str, Any]], None] | None = None  # given the finished response (server/response_store.py)

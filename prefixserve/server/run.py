@@ -142,8 +142,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="max_tokens of a request that names none, within the room its prompt leaves; /health and /v1/models "
            f"report it (PREFIXSERVE_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS}; completions: OpenAI's 16)")
     a("--max-stored-responses", type=int, metavar="N",
-      help="/v1/responses answers kept in memory per server for previous_response_id and GET /v1/responses/{id}, "
-           "least recently used out first; 0 keeps none (PREFIXSERVE_MAX_STORED_RESPONSES; default 4096)")
+      help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id}, in all; "
+           "past it the tenant holding the most loses its least recently used; 0 keeps none "
+           "(PREFIXSERVE_MAX_STORED_RESPONSES; default 4096)")
     a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")

@@ -47,11 +47,12 @@ async def sse_events(
     an OpenAI error event. A stream cut short is recorded with `abandoned_usage()` (asked once the
     engine iterator is closed: the abort's worker truth), else the last usage seen."""
     done = DONE if shape.ends_with_done else ""
+    named = shape.named_events
     try:
         # each delta's chunks go out as one write (the opening chunks with the first delta's, the
         # last delta's with the usage chunk and [DONE]): a write is a syscall and a wake-up of the
         # client, and on 2 cores its cost is the first token's
-        out = [sse(obj) for obj in shape.opening(num_choices)]
+        out = [sse(obj, named) for obj in shape.opening(num_choices)]
         delta: Delta | None = first
         num_left = num_choices
         while delta is not None:
@@ -60,7 +61,7 @@ async def sse_events(
                 break
             reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason).value
             chunks = shape.chunks(delta.index, delta.text, delta.logprobs, reason, delta.prompt_logprobs)
-            out.extend(sse(obj) for obj in chunks)
+            out.extend(sse(obj, named) for obj in chunks)
             if reason is not None:
                 num_left -= 1
                 if num_left == 0:
@@ -75,16 +76,16 @@ async def sse_events(
             ) or "the engine ended the request without finishing it"
             tracker.finish(FinishReason.ERROR.value, delta.usage if delta is not None else None)
             logger.error("request %s failed in the engine: %s", tracker.request_id, message)
-            yield "".join(out) + sse(shape.failure(message)) + done
+            yield "".join(out) + sse(shape.failure(message), named) + done
             return
         usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
         if shape.include_usage:
-            out.append(sse(shape.usage_chunk(usage)))
+            out.append(sse(shape.usage_chunk(usage), named))
         yield "".join(out) + done
     except Exception as e:  # never a broken stream without a reason: report, then end it properly
         logger.exception("streaming request %s failed", tracker.request_id)
         tracker.finish(FinishReason.ERROR.value)
-        yield sse(shape.failure(f"internal error: {type(e).__name__}"))
+        yield sse(shape.failure(f"internal error: {type(e).__name__}"), named)
         yield done
     finally:
         await aclose_shielded(engine_iter)
@@ -92,8 +93,11 @@ async def sse_events(
             tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
 
 
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: dict[str, Any], named: bool = False) -> str:
+    """One SSE event; `named`: with an `event:` line giving the object's `type` (the Responses API's
+    typed events, as OpenAI sends them, for SSE consumers that dispatch on the event name)."""
+    data = f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {obj['type']}\n{data}" if named and "type" in obj else data
 
 
 async def next_delta(it: AsyncIterator[Delta]) -> Delta | None:

@@ -79,6 +79,8 @@ def test_streamed_events_end_with_the_whole_response(client: TestClient) -> None
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.incomplete"]
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    named = [block.split("\n") for block in raw.strip().split("\n\n")]  # each event names its type, as OpenAI's
+    assert [(lines[0], json.loads(lines[1][6:])["type"]) for lines in named] == [(f"event: {k}", k) for k in kinds]
     text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
     final = evs[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == text == evs[-4]["text"] and len(text) == 5
@@ -122,6 +124,12 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"input": "x", "temperature": 9}, "temperature"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "include": ["message.output_text.logprob"]}, "include[0]"),  # a typo is reported
+        ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+        ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"input": "x", "metadata": {str(k): "v" for k in range(17)}}, "metadata"),
+        ({"input": [{"role": "user", "content": "a"}, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
+         "input[1].call_id"),  # answers no call
     ],
 )
 def test_bad_input_names_the_responses_field(client: TestClient, body: dict[str, Any], param: str) -> None:
@@ -212,13 +220,15 @@ def test_input_items_list_the_conversation_a_response_answered(client: TestClien
     assert item["type"] == "message" and item["role"] == "user" and item["id"].startswith("msg_")
     assert item["content"] == [{"type": "input_text", "text": "hello"}]  # instructions are no input item
     later = [{"role": "user", "content": [{"type": "input_text", "text": "more"}]},
+             {"type": "function_call", "call_id": "call_9", "name": "add", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "call_9", "output": "42", "id": "fco_given"}]
     second = client.post(R, json={"input": later, "previous_response_id": first["id"], "max_output_tokens": 2},
                          headers=auth()).json()
     asc = client.get(f"{R}/{second['id']}/input_items", params={"order": "asc", "limit": 100}, headers=auth()).json()
     assert [i["id"] for i in asc["data"][:2]] == [item["id"], said["id"]]  # the first turn, its answer
     assert asc["data"][1]["content"][0]["text"] == said["content"][0]["text"]
-    assert asc["data"][3] == {"type": "function_call_output", "id": "fco_given", "call_id": "call_9", "output": "42",
+    assert asc["data"][3]["type"] == "function_call" and asc["data"][3]["id"].startswith("fc_")
+    assert asc["data"][4] == {"type": "function_call_output", "id": "fco_given", "call_id": "call_9", "output": "42",
                               "status": "completed"}
     ids = [i["id"] for i in asc["data"]]
     page = client.get(f"{R}/{second['id']}/input_items", params={"limit": 2}, headers=auth()).json()
@@ -263,6 +273,26 @@ def test_the_store_forgets_least_recently_used_first_within_its_bounds() -> None
     store.put("t", "huge", [{"role": "user", "content": "x" * 20_000}], (), {"id": "huge"})
     assert store.get("t", "huge") is None and store.get("t", "big") is not None  # never kept, nothing evicted
     assert store.get("other", "big") is None
+
+
+def test_a_tenant_storing_many_responses_evicts_its_own_first() -> None:
+    """The server's bounds are shared fairly: past one, the tenant holding the most loses its oldest."""
+    from prefixserve.server.response_store import ResponseStore
+
+    store = ResponseStore(max_items=4, max_chars=10_000)
+    store.put("carol", "c1", [], (), {"id": "c1"})
+    for k in range(10):
+        store.put("erin", f"e{k}", [], (), {"id": f"e{k}"})
+    assert store.get("carol", "c1") is not None and len(store) == 4
+    assert [store.get("erin", f"e{k}") is not None for k in range(10)] == [False] * 7 + [True] * 3
+    by_chars = ResponseStore(max_items=100, max_chars=1_000)
+    for rid in ("c1", "c2"):
+        by_chars.put("carol", rid, [], (), {"id": rid})
+    for rid in ("e1", "e2", "e3"):
+        by_chars.put("erin", rid, [], (), {"id": rid})
+    by_chars.put("carol", "big", [{"role": "user", "content": "x" * 900}], (), {"id": "big"})  # past the chars
+    assert [by_chars.get("carol", r) is not None for r in ("c1", "c2", "big")] == [False, False, True]
+    assert all(by_chars.get("erin", r) is not None for r in ("e1", "e2", "e3"))  # carol held the most characters
 
 
 def test_a_server_that_keeps_no_responses_says_so(engine: FakeEngine) -> None:
