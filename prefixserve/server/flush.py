@@ -2,10 +2,11 @@
 
 Parameters (JSON body and/or query string; a name given in both must agree):
   cache_salt  only that salt's namespace of the tenant (default: all of the tenant's namespaces)
-  tenant      admin only: flush this tenant (a tenant id as `/v1/usage` reports it)
+  tenant      flush this tenant (a tenant id as `/v1/usage` reports it): admin only, except that a
+              tenant key may name its own tenant (the same as leaving it out)
   all         admin only: true flushes every tenant
-A tenant key flushes only its own tenant; `tenant`/`all` with a non-admin key is a 403. The bare
-admin key must name `tenant` or set `all`. Every other field is a 400.
+A tenant key flushes only its own tenant; naming another tenant, or `all`, with a non-admin key is a
+403. The bare admin key must name `tenant` or set `all`. Every other field is a 400.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def flush_scope(principal: Principal, raw_body: bytes, query: Mapping[str, str])
     tenant = params.get("tenant")
     if tenant is not None and (not isinstance(tenant, str) or not tenant):
         raise bad_request("tenant must be a non-empty string", "tenant")
-    if (tenant is not None or flush_all) and not principal.is_admin:
+    others = tenant is not None and tenant != principal.tenant_id  # naming oneself is harmless
+    if (others or flush_all) and not principal.is_admin:
         raise APIError(403, "only the admin key may flush another tenant or every tenant",
-                       param="tenant" if tenant is not None else "all", code="admin_only")
+                       param="tenant" if others else "all", code="admin_only")
     if flush_all and tenant is not None:
         raise bad_request("give either tenant or all, not both", "all")
     if flush_all:

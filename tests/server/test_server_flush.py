@@ -63,6 +63,19 @@ def test_tenant_cannot_flush_another_or_everything(client: TestClient) -> None:
     assert cached_tokens(client, KEY_B) > 0
 
 
+def test_a_tenant_may_name_itself(client: TestClient) -> None:
+    """Naming one's own tenant flushes what leaving it out does; only naming another needs the admin key."""
+    seed(client)
+    for kw in ({"json": {"tenant": "bob"}}, {"params": {"tenant": "bob"}}):
+        r = flush(client, KEY_B, **kw)
+        assert r.status_code == 200, r.text
+        assert r.json()["tenant"] == "bob"
+    assert cached_tokens(client, KEY_B) == 0
+    assert cached_tokens(client, KEY_A) > 0  # a's entries untouched
+    r = flush(client, KEY_B, json={"tenant": "bob", "all": True})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "all"
+
+
 def test_admin_flushes_a_named_tenant_or_all(client: TestClient) -> None:
     seed(client)
     r = flush(client, ADMIN)  # the bare admin key must say whom
