@@ -85,7 +85,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=metrics)
 
-    @app.get("/health")
+    # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         h = engine.health()
         body = {

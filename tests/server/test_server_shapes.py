@@ -6,10 +6,12 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi.testclient import TestClient
 
+from prefixserve.engine.protocol import EngineHealth
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import ADMIN, KEY_A, KEY_B, FakeLedger, auth
 
@@ -296,6 +298,20 @@ def test_open_server_has_one_tenant_and_warns(make_client: Any, engine: FakeEngi
             == 200
         )
     assert len({r.namespace.tenant_id for r in engine.requests}) == 1
+
+
+def test_health_answers_head_as_get(make_client: Any) -> None:
+    """Load-balancer probes send HEAD: the GET's status, no body."""
+    client = make_client()
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b""
+
+    class Unhealthy(FakeEngine):
+        def health(self) -> EngineHealth:
+            return replace(super().health(), ok=False)
+
+    r = make_client(eng=Unhealthy()).head("/health")
+    assert r.status_code == 503 and r.content == b""
 
 
 def test_models_health_and_unknown_routes(client: TestClient) -> None:
