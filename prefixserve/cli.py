@@ -15,15 +15,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible server"))
 
-    gen = sub.add_parser("generate", help="answer one prompt and print TTFT and tokens/s")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
-    gen.add_argument("--system", default=None)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
-    gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    from prefixserve.generate import add_generate_args, run_generate
+
+    add_generate_args(sub.add_parser("generate", help="answer one prompt and print TTFT and tokens/s"))
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bench.add_argument("what", choices=["engine", "cache"])
@@ -40,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "generate":
-        from prefixserve.generate import run_generate
-
         return run_generate(args)
     if args.command == "bench":
         from prefixserve.benchmarks import run_bench
