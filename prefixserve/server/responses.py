@@ -16,6 +16,7 @@ from typing import Any
 from prefixserve.server.errors import error_body
 from prefixserve.server.logprobs import LogprobRenderer
 from prefixserve.server.tools import ParsedReply, ToolCallStream, ToolSetup, parse_tool_calls
+from prefixserve.server.tools import finish_reason as replied
 from prefixserve.types import Request, TokenLogprob, Usage
 
 
@@ -151,11 +152,12 @@ class ChatShape(Shape):
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         body = []
         for c in choices:
-            reply = parse_tool_calls(c.text, self.tools) if self.tools else ParsedReply(c.text, ())
+            cut = c.finish_reason == "length"
+            reply = parse_tool_calls(c.text, self.tools, cut) if self.tools else ParsedReply(c.text, ())
             message = {"role": "assistant", "content": reply.content, "refusal": None,
                        "tool_calls": [call.as_dict() for call in reply.calls] or None}
             body.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
-                         "finish_reason": "tool_calls" if reply.calls else c.finish_reason})
+                         "finish_reason": replied(reply, c.finish_reason)})
         return {**self._head("chat.completion"), "choices": body, "usage": usage_dict(usage)}
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
@@ -168,7 +170,7 @@ class ChatShape(Shape):
         out = [self._delta(index, {"content": text}, None, logprobs)] if text or logprobs else []
         if finish_reason is not None:
             if self.tools is not None:
-                reply = self._stream(index).finish()
+                reply = self._stream(index).finish(cut=finish_reason == "length")
                 if reply.content:
                     out.append(self._delta(index, {"content": reply.content}, None))
                 for i, call in enumerate(reply.calls):  # OpenAI: name first, then the arguments
@@ -177,7 +179,7 @@ class ChatShape(Shape):
                     out.append(self._delta(index, {"tool_calls": [head]}, None))
                     out.append(self._delta(index, {"tool_calls": [
                         {"index": i, "function": {"arguments": call.arguments}}]}, None))
-                finish_reason = "tool_calls" if reply.calls else finish_reason
+                finish_reason = replied(reply, finish_reason)
             out.append(self._delta(index, {}, finish_reason))
         return out
 

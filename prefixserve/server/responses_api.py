@@ -45,6 +45,7 @@ from prefixserve.server.response_store import ResponseStore
 from prefixserve.server.responses import ChatShape, ChoiceOutput, Prepared, Shape
 from prefixserve.server.schemas import ChatCompletionRequest, ResponsesRequest
 from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
+from prefixserve.server.tools import finish_reason as replied
 from prefixserve.types import TokenLogprob, Usage
 
 LOGPROBS = "message.output_text.logprobs"  # `include`: each output_text part and delta carries its tokens' logprobs
@@ -210,13 +211,13 @@ class ResponseShape(Shape):
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         c = choices[0]
-        reply = parse_tool_calls(c.text, self.tools) if self.tools else ParsedReply(c.text, ())
+        reply = parse_tool_calls(c.text, self.tools, c.finish_reason == "length") if self.tools else ParsedReply(c.text, ())
         cut = c.finish_reason == "length" and not reply.calls
         lps = self._rendered(c.logprobs) if not reply.calls else []  # a reply with calls: no text logprobs
         output = [] if reply.content is None and reply.calls else [
             _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut, lps)]
         output += [_call(call) for call in reply.calls]
-        return self._kept(self._response(output, usage, "tool_calls" if reply.calls else c.finish_reason))
+        return self._kept(self._response(output, usage, replied(reply, c.finish_reason)))
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self._response([], None, None)),
@@ -233,10 +234,10 @@ class ResponseShape(Shape):
         self._finish = finish_reason
         calls: tuple[ToolCallOut, ...] = ()
         if self._stream is not None:
-            reply = self._stream.finish()
+            reply = self._stream.finish(cut=finish_reason == "length")
             out += self._delta(reply.content or "")
             calls = reply.calls
-            self._finish = "tool_calls" if calls else finish_reason  # as chat's finish_reason
+            self._finish = replied(reply, finish_reason)  # as chat's finish_reason
         if self._message_id or not calls:  # an empty reply is still one (empty) message
             if not self._message_id:
                 out += self._open_message()
@@ -318,4 +319,4 @@ def _message(item_id: str, text: str, cut: bool = False, logprobs: list[dict[str
 
 def _call(call: ToolCallOut) -> dict[str, Any]:
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": "completed"}
+            "arguments": call.arguments, "status": "completed" if call.complete else "incomplete"}

@@ -10,17 +10,19 @@ every turn of an agent loop renders the history identically and hits the prefix 
 
 `tool_choice` "required" or a named function is enforced by constrained decoding (`call_grammar`):
 the reply is exactly one call whose arguments match the tool's JSON schema. "auto" lets the model
-choose and parses what it wrote; "none" leaves the tools out.
+choose and parses what it wrote; "none" shows the tools but parses nothing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(,\s*"(?:arguments|parameters)"\s*:\s*)?')
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class ToolCallOut:
     name: str
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    complete: bool = True  # False: max_tokens cut it (its arguments are the JSON written so far)
 
     def as_dict(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function",
@@ -51,14 +54,23 @@ class ToolSetup:
     parallel: bool = True  # parallel_tool_calls: several calls in one reply (False: the first only)
 
 
-def parse_tool_calls(text: str, setup: ToolSetup) -> ParsedReply:
+def parse_tool_calls(text: str, setup: ToolSetup, cut: bool = False) -> ParsedReply:
     """Every well-formed ``<tool_call>{json}</tool_call>`` naming a known function becomes a call; an
     unclosed last tag is parsed to the end of the text. Anything else (text before, between and
-    after calls, invalid JSON, unknown names) stays content, unchanged apart from stripping."""
-    content, calls = _split(text, setup)
+    after calls, invalid JSON, unknown names) stays content, unchanged apart from stripping.
+    `cut`: max_tokens ended the reply, so an unclosed last tag that does not parse was being written:
+    it is an incomplete call where its function's name is complete (as OpenAI returns a call cut by
+    max_tokens: finish_reason length, the arguments written so far), else left out, never returned as
+    call syntax in the content."""
+    content, calls = _split(text, setup, cut)
     if not calls:
-        return ParsedReply(text, ())
+        return ParsedReply(content if cut else text, ())
     return ParsedReply(content.strip() or None, calls)
+
+
+def finish_reason(reply: ParsedReply, reason: str) -> str:
+    """A reply's finish_reason: tool_calls when it ends in complete calls, else the engine's."""
+    return "tool_calls" if reply.calls and all(c.complete for c in reply.calls) else reason
 
 
 class ToolCallStream:
@@ -83,11 +95,12 @@ class ToolCallStream:
         out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         return out
 
-    def finish(self) -> ParsedReply:
+    def finish(self, cut: bool = False) -> ParsedReply:
         """The rest: content not yet streamed (None if none; whitespace kept, so that the streamed
-        content is the non-streamed one up to surrounding whitespace) and the calls."""
-        content, calls = _split(self._held, self._setup)
-        return ParsedReply((content if calls else self._held) or None, calls)
+        content is the non-streamed one up to surrounding whitespace) and the calls (`cut`: as
+        `parse_tool_calls`)."""
+        content, calls = _split(self._held, self._setup, cut)
+        return ParsedReply((content if calls or cut else self._held) or None, calls)
 
 
 def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
@@ -144,15 +157,30 @@ def _call_from_json(body: str, setup: ToolSetup) -> ToolCallOut | None:
     return ToolCallOut(name=str(value["name"]), arguments=json.dumps(args, ensure_ascii=False))
 
 
-def _partial_tag_len(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
+def _cut_call(body: str, setup: ToolSetup) -> ToolCallOut | None:
+    """A call cut by max_tokens, from its name and the arguments' JSON so far (name first, as the
+    forced-call grammar writes it); None when the name is not complete or not a known function."""
+    m = CUT_CALL.match(body)
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    if name not in setup.names:
+        return None
+    return ToolCallOut(name=name, arguments=body[m.end():].rstrip() if m.group(2) else "", complete=False)
+
+
+def _partial_tag_len(text: str, tag: str = OPEN) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
             return n
     return 0
 
 
-def _split(text: str, setup: ToolSetup) -> tuple[str, tuple[ToolCallOut, ...]]:
+def _split(text: str, setup: ToolSetup, cut: bool = False) -> tuple[str, tuple[ToolCallOut, ...]]:
     """The text outside the calls (as it is) and the calls."""
     calls: list[ToolCallOut] = []
     kept: list[str] = []
@@ -161,8 +189,18 @@ def _split(text: str, setup: ToolSetup) -> tuple[str, tuple[ToolCallOut, ...]]:
         end = text.find(CLOSE, start + len(OPEN))
         body_end = len(text) if end == -1 else end
         after = len(text) if end == -1 else end + len(CLOSE)
-        call = _call_from_json(text[start + len(OPEN) : body_end], setup)
-        kept.append(text[pos:start] if call is not None else text[pos:after])
+        body = text[start + len(OPEN) : body_end]
+        if end == -1:  # a closing tag cut short is no part of the JSON
+            body = body[: len(body) - _partial_tag_len(body, CLOSE)]
+        call = _call_from_json(body, setup)
+        if call is None and cut and end == -1:  # the call being written when max_tokens cut the reply
+            call = _cut_call(text[start + len(OPEN) :], setup)
+            kept.append(text[pos:start])
+            if call is None:
+                pos = after
+                continue
+        else:
+            kept.append(text[pos:start] if call is not None else text[pos:after])
         if call is not None and (setup.parallel or not calls):
             calls.append(call)
         pos = after

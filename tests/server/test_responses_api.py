@@ -104,6 +104,14 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
     assert [o["type"] for o in evs[-1]["response"]["output"]] == ["message", "function_call"]
     assert evs[-1]["response"]["status"] == "completed" and evs[-1]["response"]["incomplete_details"] is None
     assert evs[-1]["response"]["output"][0]["status"] == "completed"  # the text before the call: not cut
+    replayed = engine.tokenizer.decode(engine.tokenizer.render_chat([{"role": "user", "content": CALL}], TOOLS_CH))
+    cut = {**body, "max_output_tokens": replayed.index(CALL) + CALL.index("1}}")}  # inside the arguments
+    for response in (client.post(R, json=cut, headers=auth()).json(),
+                     events(client.post(R, json={**cut, "stream": True}, headers=auth()).text)[-1]["response"]):
+        assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert "<tool_call>" not in response["output"][0]["content"][0]["text"]  # never call syntax as text
+        assert {k: response["output"][1][k] for k in ("name", "arguments", "status")} == {
+            "name": "add", "arguments": '{"a":', "status": "incomplete"}
 
 
 @pytest.mark.parametrize(

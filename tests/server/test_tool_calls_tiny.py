@@ -121,9 +121,20 @@ def test_a_forced_call_from_a_random_model_matches_the_schema_streamed_and_not(c
     assert reason == "tool_calls" and content == ""
     assert [(c["name"], c["arguments"]) for c in calls] == [("add", call["function"]["arguments"])]
     assert calls[0]["id"].startswith("call_")
-    cut = post(client, {**body, "max_tokens": 12})["choices"][0]  # cut inside the call: no call, raw text
+    # max_tokens cutting the call: never call syntax in the content; once its name is written, the
+    # call with the arguments so far and finish_reason length (as OpenAI), streamed and not
+    cut = post(client, {**body, "max_tokens": 12})["choices"][0]
     assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"] is None
-    assert cut["message"]["content"].startswith("<tool_call>")
+    assert not cut["message"]["content"]
+    whole = call["function"]["arguments"]
+    cut = post(client, {**body, "max_tokens": 44})["choices"][0]
+    [partial] = cut["message"]["tool_calls"]
+    assert cut["finish_reason"] == "length" and partial["function"]["name"] == "add" and not cut["message"]["content"]
+    assert 0 < len(partial["function"]["arguments"]) < len(whole) and whole.replace(" ", "").startswith(
+        partial["function"]["arguments"])
+    content, calls, reason = stream(client, {**body, "max_tokens": 44})
+    assert reason == "length" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [("add", partial["function"]["arguments"])]
 
 
 def test_auto_on_a_random_model_is_plain_content(client: TestClient) -> None:

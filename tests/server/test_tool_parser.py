@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from prefixserve.engine.grammar import check_constraint
 from prefixserve.server.tools import (
+    ParsedReply,
     ToolCallStream,
     ToolSetup,
     call_grammar,
     calls_as_text,
     fallback_system_message,
+    finish_reason,
     parse_tool_calls,
 )
 from prefixserve.types import Constraint
@@ -76,3 +80,31 @@ def test_forced_grammar_compiles_and_history_round_trips() -> None:
     text = calls_as_text([{"function": {"name": "add", "arguments": {"a": 1}}}])
     assert calls(text) == [("add", {"a": 1})]
     assert '"name": "get_weather"' in fallback_system_message(TOOLS)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Par', "Sure.",
+         [("get_weather", '{"city": "Par', False)]),
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_c', None,
+         [("get_weather", '{"city": "Paris"}', True)]),  # only the closing tag was cut: a whole call
+        ('<tool_call>{"name": "get_weather", "argu', None, [("get_weather", "", False)]),
+        ('Hm <tool_call>{"name": "get_wea', "Hm ", []),  # the name cut: the syntax is left out
+        ('<tool_call>{"name": "unknown", "arguments": {"a', "", []),
+        ("plain text cut", "plain text cut", []),
+    ],
+)
+def test_a_reply_cut_by_max_tokens_never_returns_call_syntax(text: str, content: str | None,
+                                                              calls: list[tuple[str, str, bool]]) -> None:
+    for reply in (parse_tool_calls(text, SETUP, cut=True), _streamed(text)):
+        assert [(c.name, c.arguments, c.complete) for c in reply.calls] == calls
+        assert (reply.content or "").strip() == (content or "").strip()
+        assert finish_reason(reply, "length") == ("tool_calls" if calls and all(c[2] for c in calls) else "length")
+
+
+def _streamed(text: str) -> ParsedReply:
+    stream = ToolCallStream(SETUP)
+    shown = "".join(stream.feed(ch) for ch in text)
+    rest = stream.finish(cut=True)
+    return ParsedReply(shown + (rest.content or "") or None, rest.calls)
