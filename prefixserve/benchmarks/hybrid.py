@@ -140,6 +140,9 @@ class _NoTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
+
     def encode(self, text: str) -> list[int]:
         return []
 

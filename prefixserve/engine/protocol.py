@@ -69,6 +69,11 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for: part of a UTF-8 character for some byte-level tokens,
+        which decoding the single id turns into U+FFFD (logprobs' `bytes`, server/logprobs.py)."""
+        ...
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],

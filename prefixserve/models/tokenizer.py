@@ -15,6 +15,18 @@ from prefixserve.types import TemplateError
 
 MARK_OPEN, MARK_CLOSE = "\ue000\ue001", "\ue002"  # private-use characters around a written text's number
 MARK = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: one raw byte
+
+
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: byte-level BPE spells byte b as one printable
+    character (bytes that are already printable as themselves, the others as chr(256 + k))."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # '!'..'~', '¡'..'¬', '®'..'ÿ'
+    extra = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + k): b for k, b in enumerate(extra)}}
+
+
+BYTE_LEVEL_CHARS = _unicode_to_bytes()
 
 
 class Tokenizer:
@@ -34,6 +46,10 @@ class Tokenizer:
                            if getattr(t, "special", False) and t.content}, key=len, reverse=True)
         # the control tokens' texts: in a chat message they are text, never the tokens (render_chat)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
+        decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
+        state = decoder.__getstate__() if decoder is not None else b""
+        self._byte_level = b'"type":"ByteLevel"' in state or hasattr(hf_tokenizer, "byte_decoder")
 
     @property
     def extra_eos_ids(self) -> tuple[int, ...]:
@@ -52,6 +68,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return str(self.hf.decode(list(ids), skip_special_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for. Decoding a single id cannot give them when the token
+        is part of a UTF-8 character (an emoji's first bytes decode to U+FFFD), and OpenAI's logprobs
+        `bytes` exist so that a client can join such tokens back into the character. Byte-level BPE
+        (GPT-2, SmolLM2, Qwen): the token's characters through the inverse of bytes_to_unicode;
+        SentencePiece: `<0xF0>` is that byte and "▁" a space; special and added tokens, and any
+        other tokenizer, their decoded text."""
+        with self._lock:
+            piece = self.hf.convert_ids_to_tokens(token_id)
+            if token_id in self._added or not isinstance(piece, str):
+                return str(self.hf.decode([token_id], skip_special_tokens=True)).encode()
+            if self._byte_level and all(c in BYTE_LEVEL_CHARS for c in piece):
+                return bytes(BYTE_LEVEL_CHARS[c] for c in piece)
+            if m := BYTE_TOKEN.fullmatch(piece):
+                return bytes([int(m.group(1), 16)])
+            if "\u2581" in piece:
+                return piece.replace("\u2581", " ").encode()
+            return str(self.hf.decode([token_id], skip_special_tokens=True)).encode()
 
     def render_chat(
         self,

@@ -4,13 +4,18 @@ Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "l
 "refusal": null}``. Completions (legacy): ``{"tokens", "token_logprobs", "top_logprobs": [{token:
 logprob}], "text_offset"}``; as in vLLM, each top_logprobs dict also holds the sampled token.
 
-A token's text is the tokenizer's decoding of that one id, and `bytes` its UTF-8 encoding; a
-byte-level token that is only part of a character decodes to U+FFFD (so its bytes are those of
-U+FFFD, not the raw byte).
+A token's `bytes` are its raw bytes (`TokenizerLike.token_bytes`), so a byte-level token that is only
+part of a UTF-8 character (an emoji's first two bytes) keeps them, and the content tokens' bytes joined
+are the content's UTF-8, which is what OpenAI's `bytes` are for. Its `token` string is those bytes as
+UTF-8 where they are valid, else OpenAI's legacy spelling ``bytes:\\xf0\\x9f``: distinct byte tokens
+stay distinct keys of a completions top_logprobs dict. A completions `text_offset` counts the
+characters the tokens before it decode to (an unfinished character not yet counted), so offsets
+index into the choice's text and never pass its end, as OpenAI's and vLLM's do.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,43 +23,64 @@ from prefixserve.engine.protocol import TokenizerLike
 from prefixserve.types import TokenLogprob
 
 
+def token_string(raw: bytes) -> str:
+    """`raw` decoded, or ``bytes:\\xNN...`` when it is not valid UTF-8 on its own."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class LogprobRenderer:
-    """Token texts for one response (decoded once per id and remembered)."""
+    """Token texts for one response (computed once per id and remembered)."""
 
     def __init__(self, tokenizer: TokenizerLike) -> None:
         self._tok = tokenizer
         self._texts: dict[int, str] = {}
+        self._raw: dict[int, bytes] = {}
 
     def text(self, token_id: int) -> str:
+        """The tokenizer's decoding of the one id (U+FFFD for part of a character): /tokenize's token_strs."""
         if token_id not in self._texts:
             self._texts[token_id] = self._tok.decode([token_id])
         return self._texts[token_id]
+
+    def raw(self, token_id: int) -> bytes:
+        if token_id not in self._raw:
+            self._raw[token_id] = self._tok.token_bytes(token_id)
+        return self._raw[token_id]
+
+    def token(self, token_id: int) -> str:
+        return token_string(self.raw(token_id))
 
     def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
 
     def completion(self, entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
         """`text_offset`: where the first entry's text starts in the choice's text."""
-        tokens = [self.text(e.token_id) for e in entries]
-        offsets: list[int] = []
-        for t in tokens:
-            offsets.append(text_offset)
-            text_offset += len(t)
-        tops = []
-        for e in entries:
-            top = {self.text(i): v for i, v in e.top}
-            top.setdefault(self.text(e.token_id), e.logprob)
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-                "text_offset": offsets}
+        return self._completion([e.token_id for e in entries], entries, text_offset)
 
     def prompt(self, first_id: int, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         """An echoed prompt's part of a completions choice's logprobs: `first_id` (no logprob: null, as
         OpenAI) then `entries`, the prompt's other tokens, offsets from the start of the text."""
-        first = self.text(first_id)
-        rest = self.completion(entries, len(first))
-        return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
-                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+        rest = self._completion([first_id, *(e.token_id for e in entries)], entries, 0)
+        return {"tokens": rest["tokens"], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": rest["text_offset"]}
+
+    def _completion(self, ids: list[int], entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        """`ids`: the tokens, `entries` the logprobs of its last len(entries) ones."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds an unfinished character back
+        offsets: list[int] = []
+        for i in ids:
+            offsets.append(text_offset)
+            text_offset += len(decoder.decode(self.raw(i)))
+        tops = []
+        for e in entries:
+            top = {self.token(i): v for i, v in e.top}
+            top.setdefault(self.token(e.token_id), e.logprob)
+            tops.append(top)
+        return {"tokens": [self.token(i) for i in ids], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
         item = self._item(e.token_id, e.logprob)
@@ -62,5 +88,4 @@ class LogprobRenderer:
         return item
 
     def _item(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.raw(token_id))}

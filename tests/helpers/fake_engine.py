@@ -31,6 +31,9 @@ class FakeTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", "replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - OFFSET]) if token_id >= OFFSET else b""
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
