@@ -57,13 +57,12 @@ def sample_next(core: EngineCore, s: Session) -> None:
     core.counters.num_completion_tokens += 1
     reason: FinishReason | None = None
     text = ""
-    logprobs: tuple[TokenLogprob, ...] = ()
     if (token in core.tokenizer.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
         reason = FinishReason.STOP  # a stop token is not output: no text, no logprob entry
     else:
         text = s.detok.add(token)
         if sp.num_logprobs is not None:
-            logprobs = (token_logprob(logits, token, sp.num_logprobs),)
+            s.held_logprobs.append(token_logprob(logits, token, sp.num_logprobs))
         if s.detok.stopped or (s.matcher is not None and s.matcher.done):
             reason = FinishReason.STOP
     if reason is None and (
@@ -73,9 +72,22 @@ def sample_next(core: EngineCore, s: Session) -> None:
     if reason is None:
         s.pending_token = token
         core.emit(s.request.request_id, Delta(text=text, token_ids=(token,), usage=s.usage(), index=s.index,
-                                              logprobs=logprobs))
+                                              logprobs=settled_logprobs(s)))
     else:
-        finish(core, s, reason, text, (token,), logprobs)
+        finish(core, s, reason, text, (token,))
+
+
+def settled_logprobs(s: Session) -> tuple[TokenLogprob, ...]:
+    """The held logprob entries whose tokens' text is settled (engine/detok.py num_settled): an
+    entry goes out with the delta that carries its token's text (part of a character waits for the
+    rest), and the entries of a stop string's tokens, whose text was cut, never go out."""
+    n = min(s.detok.num_settled - s.num_logprobs_out, len(s.held_logprobs))
+    if n <= 0:
+        return ()
+    out = tuple(s.held_logprobs[:n])
+    del s.held_logprobs[:n]
+    s.num_logprobs_out += n
+    return out
 
 
 def emit_prompt_logprobs(core: EngineCore, s: Session) -> None:
@@ -115,6 +127,7 @@ def finish(
         core._reserved_bytes -= s.reserved_bytes
         s.reserved_bytes = 0
     text += s.detok.flush()
+    logprobs += settled_logprobs(s)
     core.emit(s.request.request_id, Delta(text=text, token_ids=token_ids, finish_reason=reason, usage=usage,
                                           index=s.index, logprobs=logprobs, error=error))
     if s.state is not None and not core.refills.owns(s.state):

@@ -74,6 +74,8 @@ class Session:
     choices: list[Session] = field(default_factory=list)  # all choices once forked (shared list)
     matcher: TokenMatcher | None = None  # constrained decoding: where the output stands in the grammar
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far (sampling.prompt_logprobs)
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of output tokens whose text is not settled
+    num_logprobs_out: int = 0  # output tokens whose logprobs went out (engine/outputs.py settled_logprobs)
 
     @property
     def prompt_len(self) -> int:
