@@ -137,7 +137,7 @@ def bench_hybrid(quick: bool, print_fn: Callable[[str], object] = print, layers:
 class _NoTokenizer:
     eos_token_ids: tuple[int, ...] = ()
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return ""
 
     def token_bytes(self, token_id: int) -> bytes:

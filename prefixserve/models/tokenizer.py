@@ -65,9 +65,10 @@ class Tokenizer:
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=True))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Generated text leaves the control tokens out; /detokenize keeps them (server/tokenize.py)."""
         with self._lock:
-            return str(self.hf.decode(list(ids), skip_special_tokens=True))
+            return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for. Decoding a single id cannot give them when the token

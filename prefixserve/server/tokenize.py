@@ -7,6 +7,10 @@ the assistant header off) and answers ``{"count", "max_model_len", "tokens", "to
 are the ids the prefix cache keys on, so a client can see where two prompts part before it sends
 them. `/detokenize`: ``{"tokens": [ids]}`` -> ``{"prompt": text}``. Both need a key that may
 generate and name the served model or none; nothing is computed, nothing is cached or looked up.
+
+Both keep the control tokens' text (``<|im_start|>``), as vLLM's do: a `messages` result detokenizes
+to the rendered prompt and a token_str is never "" for a real token. (Generated text leaves them out:
+Tokenizer.decode's default.)
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from prefixserve.server import params
 from prefixserve.server.chat import check_tools, render_messages, render_prompt
 from prefixserve.server.completions import prompt_token_ids
 from prefixserve.server.errors import bad_request
-from prefixserve.server.logprobs import LogprobRenderer
 from prefixserve.server.schemas import DetokenizeRequest, TokenizeRequest
 
 
@@ -38,13 +41,19 @@ def tokenize(body: TokenizeRequest, engine: EngineClient) -> dict[str, Any]:
             raise bad_request("add_generation_prompt and tools go with messages",
                               "add_generation_prompt" if body.add_generation_prompt is not None else "tools")
         ids = prompt_token_ids(body.prompt, engine)
-    texts = LogprobRenderer(engine.tokenizer)
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-            "token_strs": [texts.text(i) for i in ids] if body.return_token_strs else None}
+            "token_strs": _token_strs(engine, ids) if body.return_token_strs else None}
 
 
 def detokenize(body: DetokenizeRequest, engine: EngineClient) -> dict[str, Any]:
     params.check_model(body.model, engine.model_id)
     if not isinstance(body.tokens, list):
         raise bad_request("tokens must be a list of integer token ids", "tokens")
-    return {"prompt": engine.tokenizer.decode(params.check_token_ids(body.tokens, engine.vocab_size, "tokens"))}
+    ids = params.check_token_ids(body.tokens, engine.vocab_size, "tokens")
+    return {"prompt": engine.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def _token_strs(engine: EngineClient, ids: list[int]) -> list[str]:
+    """Each id decoded alone (U+FFFD for part of a character), once per distinct id."""
+    texts = {i: engine.tokenizer.decode([i], skip_special_tokens=False) for i in set(ids)}
+    return [texts[i] for i in ids]

@@ -28,7 +28,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:  # no special tokens
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", "replace")
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import ADMIN, auth
 
@@ -44,6 +46,27 @@ def test_detokenize_round_trips(client: TestClient) -> None:
     ids = client.post("/tokenize", json={"prompt": "round trip ✓"}, headers=auth()).json()["tokens"]
     r = client.post("/detokenize", json={"tokens": ids}, headers=auth())
     assert r.status_code == 200 and r.json() == {"prompt": "round trip ✓"}
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    return load_tokenizer_gguf(embedded_model_path())
+
+
+def test_control_tokens_keep_their_text(make_client: Any, smol: Tokenizer) -> None:
+    """The embedded SmolLM2's tokenizer: a `messages` result detokenizes to the rendered prompt, control
+    tokens included (as vLLM's /detokenize), and their token_strs are their text, not ""."""
+    engine = FakeEngine(max_model_len=2048)
+    engine.tokenizer, engine.vocab_size = smol, len(smol.hf)  # type: ignore[assignment]
+    client = make_client(eng=engine)
+    r = client.post("/detokenize", json={"tokens": [1, 4093, 198, 26843, 2]}, headers=auth())
+    assert r.status_code == 200 and r.json() == {"prompt": "<|im_start|>user\nHi<|im_end|>"}
+    body = client.post("/tokenize", json={"messages": MESSAGES, "return_token_strs": True}, headers=auth()).json()
+    text = client.post("/detokenize", json={"tokens": body["tokens"]}, headers=auth()).json()["prompt"]
+    assert text == smol.hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert body["token_strs"][:3] == ["<|im_start|>", "system", "\n"] and "<|im_end|>" in body["token_strs"]
+    assert "".join(body["token_strs"]) == text
+    assert smol.decode(body["tokens"]) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")  # generation's
 
 
 @pytest.mark.parametrize(
