@@ -51,6 +51,9 @@ Emit = Callable[[str, Delta], None]
 
 @dataclass(slots=True)
 class EngineCounters:
+    """Since start. The prompt counters count what was served, as usage bills it: a request aborted
+    mid-prefill adds the tokens it reached, not its prompt's length (prompt = cached + computed)."""
+
     num_requests: int = 0
     num_finished: int = 0
     num_aborted: int = 0
@@ -196,6 +199,7 @@ class EngineCore:
             self.suspects.remove(self._last_step[0][0])  # it ran alone and passed
         for s, start, end, item in prefill_ends:
             self.counters.num_computed_prompt_tokens += end - start
+            self.counters.num_prompt_tokens += end - start
             inserts.after_chunk(self, s, end)  # a snapshot-only state's boundary and checkpoints
             if item.scores is not None:
                 s.prompt_logprobs.extend(scored_logprobs(item.targets, item.scores))
@@ -283,7 +287,7 @@ class EngineCore:
             s.num_cached = hit.num_cached_tokens
             # tokens a pending refill computed just now, for this prompt: served from the cache, billed as computed
             s.num_refilled = max(0, min(s.num_cached, refilled[1]) - refilled[0])
-        self.counters.num_prompt_tokens += s.prompt_len
+        self.counters.num_prompt_tokens += s.num_cached  # the rest as prefill computes it (step)
         self.counters.num_cached_tokens += s.num_cached - s.num_refilled
         self.counters.num_computed_prompt_tokens += s.num_refilled
         if s.num_cached == s.prompt_len:

@@ -35,6 +35,17 @@ _CACHE_GAUGES = {
     "prefixserve_cache_hit_ratio": ("Prefix cache lookups that hit", ("hit_ratio", "cache_hit_ratio")),
 }
 
+# help texts of engine.metrics() keys exported as prefixserve_engine_<key> (the others name their key)
+_ENGINE_DOCS = {
+    "requests": "Requests the engine has taken since start",
+    "prompt_tokens": "Prompt tokens served since start, cached + computed (a request aborted mid-prefill "
+                     "counts the tokens it reached, as its usage does)",
+    "cached_tokens": "Prompt tokens served from the prefix cache since start",
+    "computed_prompt_tokens": "Prompt tokens computed by prefill since start",
+    "completion_tokens": "Tokens generated since start",
+    "peak_requests": "Most requests running + waiting at once since start",
+}
+
 
 class ServerMetrics:
     """All of the server's metrics. Safe to call from the event loop; `render` reads the engine."""
@@ -138,7 +149,8 @@ class _EngineCollector(Collector):
             except (TypeError, ValueError):
                 continue
             yield GaugeMetricFamily(
-                f"prefixserve_engine_{_metric_name(key)}", f"engine.metrics()[{key!r}]", value=value
+                f"prefixserve_engine_{_metric_name(key)}", _ENGINE_DOCS.get(key, f"engine.metrics()[{key!r}]"),
+                value=value,
             )
         try:
             health = self._engine.health()

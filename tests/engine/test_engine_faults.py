@@ -190,10 +190,11 @@ def test_usage_on_abort_is_what_was_computed():
         _, done = await collect(engine, request(ps[0], rid="done"))
         abandoned = {rid: await engine.abandoned_usage(rid) for rid in ("queued", "decoding", "prefilling")}
         again = await engine.abandoned_usage("queued")
+        metrics = engine.metrics()
         await engine.shutdown()
-        return done, abandoned, again
+        return done, abandoned, again, metrics
 
-    done, abandoned, again = asyncio.run(go())
+    done, abandoned, again, metrics = asyncio.run(go())
     assert finals["queued"].usage == Usage(0, 0, 0)  # bills nothing
     dec = finals["decoding"].usage
     assert dec is not None and dec.prompt_tokens == len(ps[1]) and dec.completion_tokens >= 1
@@ -205,6 +206,11 @@ def test_usage_on_abort_is_what_was_computed():
     for rid in ("queued", "decoding", "prefilling"):  # what the server records for a client that left
         assert abandoned[rid] == finals[rid].usage
     assert again is None  # handed over once
+    # /metrics' prompt tokens are what usage billed (the mid-prefill abort's tokens reached, not its
+    # prompt's length), cached + computed; the names carry no doubled engine_ (docs/cache.md)
+    billed = sum(d.usage.prompt_tokens for d in finals.values() if d.usage is not None)
+    assert metrics["prompt_tokens"] == billed == metrics["cached_tokens"] + metrics["computed_prompt_tokens"]
+    assert metrics["requests"] == 4 and not any(k.startswith("engine_") for k in metrics)
 
 
 def test_admission_waits_for_the_session_budget_and_refuses_what_never_fits():

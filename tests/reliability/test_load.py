@@ -142,7 +142,7 @@ def test_32_concurrent_streams_hold_every_bound(main: Target) -> None:
     # the engine's own high-water mark of requests running + waiting (taken at every submission):
     # the 250 ms samples below see it only by chance (a request between two of a client's, or in
     # the HTTP layer, is in neither), and came out at 23-31 of 32 on the 2-core Ice Lake
-    peak = m1["prefixserve_engine_engine_peak_requests"]
+    peak = m1["prefixserve_engine_peak_requests"]
     sampled = max(
         s["prefixserve_num_requests_running"] + s["prefixserve_num_requests_waiting"] for s in load.samples
     )
@@ -163,7 +163,7 @@ def test_32_concurrent_streams_hold_every_bound(main: Target) -> None:
     assert num_cached > 0  # the shared system prompt is served from the cache
     assert delta("prefixserve_engine_cache_evictions") > 0  # the budget was binding
     # The server's counters match what the clients saw.
-    assert delta("prefixserve_engine_engine_requests") == len(got)
+    assert delta("prefixserve_engine_requests") == len(got)
     assert delta("prefixserve_prompt_tokens_total") == num_prompt
     assert delta("prefixserve_cached_prompt_tokens_total") == num_cached
     assert delta("prefixserve_completion_tokens_total") == num_completion
