@@ -118,12 +118,15 @@ class ServerConfig:
     pricing_path: str | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without max_tokens generates at most this many
     max_stored_responses: int = 4096  # /v1/responses answers kept for previous_response_id (0: none)
+    reasoning_parser: str = "auto"  # "auto": a thinking model's reasoning as reasoning_content; "none": as text
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if self.max_stored_responses < 0:
             raise ValueError("max_stored_responses must be >= 0")
+        if self.reasoning_parser not in ("auto", "none"):
+            raise ValueError("reasoning_parser must be 'auto' or 'none'")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be at least 1")
         if any(not k for k in self.api_keys):

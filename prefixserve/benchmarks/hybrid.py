@@ -135,6 +135,7 @@ def bench_hybrid(quick: bool, print_fn: Callable[[str], object] = print, layers:
 
 
 class _NoTokenizer:
+    thinks = False
     eos_token_ids: tuple[int, ...] = ()
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -147,5 +148,5 @@ class _NoTokenizer:
         return []
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         raise NotImplementedError("the hybrid bench feeds token ids")

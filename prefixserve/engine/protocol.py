@@ -64,6 +64,7 @@ class FlushReport:
 
 class TokenizerLike(Protocol):
     eos_token_ids: tuple[int, ...]
+    thinks: bool  # its chat template and vocabulary have <think> ... </think> (server/reasoning.py)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -79,8 +80,10 @@ class TokenizerLike(Protocol):
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Chat template -> token ids. Raises TemplateError on messages the template rejects."""
+        """Chat template -> token ids (`template_kwargs`: extra template variables). Raises
+        TemplateError on messages the template rejects."""
         ...
 
 

@@ -47,6 +47,7 @@ class Tokenizer:
         # the control tokens' texts: in a chat message they are text, never the tokens (render_chat)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
+        self.thinks = _thinks(hf_tokenizer)
         decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
         state = decoder.__getstate__() if decoder is not None else b""
         self._byte_level = b'"type":"ByteLevel"' in state or hasattr(hf_tokenizer, "byte_decoder")
@@ -94,8 +95,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The template's text as token ids. Text a client wrote (message contents, tool calls and
+        """The template's text as token ids (`template_kwargs`: extra template variables). Text a client wrote (message contents, tool calls and
         definitions) that spells a control token, say `<|im_end|>`, stays text: it is swapped for a
         marker while the template runs and encoded with special tokens split, so no message can open
         a turn of its own (as OpenAI's API treats such text). Prompts without such text encode as
@@ -105,10 +107,12 @@ class Tokenizer:
         written: list[str] = []
         if self._specials is not None:
             messages, tools = self._marked(messages, written), self._marked(tools, written)
+            template_kwargs = self._marked(template_kwargs, written)
         with self._lock:
             try:
                 text = self.hf.apply_chat_template(
-                    messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+                    messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+                    **(template_kwargs or {}),
                 )
             except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
                 raise TemplateError(f"chat template rejected the messages: {e}") from e
@@ -142,6 +146,17 @@ class Tokenizer:
             items = [self._marked(v, written) for v in value]
             return value if all(a is b for a, b in zip(items, value, strict=True)) else items
         return value
+
+
+def _thinks(hf: Any) -> bool:
+    """A thinking model's tokenizer: <think> and </think> are tokens that decode as text (not skipped as
+    special) and the chat template writes them (server/reasoning.py splits such replies)."""
+    template = hf.chat_template if isinstance(getattr(hf, "chat_template", None), str) else ""
+    if "<think>" not in template:
+        return False
+    added = {t.content: t for t in getattr(hf, "added_tokens_decoder", {}).values()}
+    vocab = hf.get_vocab()
+    return all(tag in vocab and not getattr(added.get(tag), "special", False) for tag in ("<think>", "</think>"))
 
 
 def load_tokenizer_gguf(path: str) -> Tokenizer:

@@ -61,6 +61,8 @@ def create_app(
     record per finished or aborted generation request; None disables usage recording and /v1/usage."""
     keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
     metrics = ServerMetrics(engine)
+    chat_prepare = functools.update_wrapper(  # named as prepare_chat in traces
+        functools.partial(prepare_chat, think_split=server_config.reasoning_parser != "none"), prepare_chat)
     memo = PromptMemo()  # recently encoded prompts, per namespace (server/prompt_memo.py)
     # finished /v1/responses answers, per tenant (server/response_store.py); None: none are kept
     stored = ResponseStore(server_config.max_stored_responses) if server_config.max_stored_responses else None
@@ -136,7 +138,7 @@ def create_app(
         body = parse_body(await read_body(request), ChatCompletionRequest)
         # tools and response_format compile grammars: the thread pool
         inline = body.tools is None and body.response_format is None
-        return await _generate(request, await _prepare(prepare_chat, body, tenant_id, inline=inline))
+        return await _generate(request, await _prepare(chat_prepare, body, tenant_id, inline=inline))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -15,7 +15,7 @@ from typing import Any
 from prefixserve.config import DEFAULT_MAX_TOKENS
 from prefixserve.engine.grammar import check_constraint
 from prefixserve.engine.protocol import EngineClient, InvalidRequest, TemplateError
-from prefixserve.server import params, tools
+from prefixserve.server import params, reasoning, tools
 from prefixserve.server.completions import check_chars, check_fits, include_usage, prepared
 from prefixserve.server.errors import bad_request
 from prefixserve.server.logprobs import LogprobRenderer
@@ -25,18 +25,22 @@ from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage, Token
 from prefixserve.types import Constraint
 
 MAX_TOP_LOGPROBS = 20
+THINK_TAIL = 16  # prompt tokens read for an open <think> (the generation prompt's last few)
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                                      "continue_final_message", "return_dict", "documents", "conversation"})
 
 logger = logging.getLogger("prefixserve.server")
 
 
 def prepare_chat(
     body: ChatCompletionRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    memo: PromptMemo | None = None,
+    memo: PromptMemo | None = None, think_split: bool = True,
 ) -> Prepared:
     """Validate a chat body for `tenant_id` and render its prompt. Raises APIError(400).
     `default_max_tokens`: the server's cap for a request that names none (`--default-max-tokens`);
-    `memo`: recently rendered prompts, per namespace (server/prompt_memo.py)."""
+    `memo`: recently rendered prompts, per namespace (server/prompt_memo.py); `think_split`: split a
+    thinking model's reasoning out of its replies (server/reasoning.py; `--reasoning-parser`)."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
@@ -53,12 +57,13 @@ def prepare_chat(
         assert tool_list is not None
         constraint = _checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
     messages = render_messages(body.messages)
+    kwargs = check_template_kwargs(body.chat_template_kwargs)
     if memo is None:
-        prompt_ids = render_prompt(engine, messages, tool_list)
+        prompt_ids = render_prompt(engine, messages, tool_list, True, kwargs)
     else:
         ns = params.namespace(engine.model_id, tenant_id, salt)
-        prompt_ids = memo.ids(ns, input_digest("chat", messages, tool_list),
-                              lambda: render_prompt(engine, messages, tool_list))
+        prompt_ids = memo.ids(ns, input_digest("chat", messages, tool_list, kwargs),
+                              lambda: render_prompt(engine, messages, tool_list, True, kwargs))
     check_fits(len(prompt_ids), engine.max_model_len)
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     sampling = params.sampling_params(body, getattr(body, named), default_max_tokens, engine.max_model_len,
@@ -68,8 +73,18 @@ def prepare_chat(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)
     shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),
                       fingerprint=engine.health().fingerprint,
-                      logprobs=None if num_logprobs is None else LogprobRenderer(engine.tokenizer), tools=setup)
+                      logprobs=None if num_logprobs is None else LogprobRenderer(engine.tokenizer), tools=setup,
+                      thinking=thinking_start(engine, prompt_ids) if think_split else None)
     return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n)
+
+
+def thinking_start(engine: EngineClient, prompt_ids: list[int]) -> bool | None:
+    """None for a model that does not think; else whether the prompt ends inside a <think> block (a
+    template that opens it for the model), so that the whole reply up to </think> is reasoning."""
+    if not engine.tokenizer.thinks:
+        return None
+    tail = engine.tokenizer.decode(prompt_ids[-THINK_TAIL:])
+    return tail.rfind(reasoning.OPEN) > tail.rfind(reasoning.CLOSE)
 
 
 def check_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -160,24 +175,38 @@ def _checked(constraint: Constraint, param: str) -> Constraint:
 
 def render_prompt(
     engine: EngineClient, messages: list[dict[str, Any]], tool_list: list[dict[str, Any]] | None,
-    add_generation_prompt: bool = True,
+    add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The chat template's token ids. With tools, a template that ignores them (same ids with and
     without) gets the generic fallback of tools.py instead. Without tools, earlier calls a template
     would drop are written as text all the same (the model must see what it called). A template that
-    rejects the messages is the client's error (400)."""
+    rejects the messages is the client's error (400). `template_kwargs`: the request's
+    chat_template_kwargs (`check_template_kwargs`)."""
+    def render(msgs: list[dict[str, Any]], tool_defs: list[dict[str, Any]] | None) -> list[int]:
+        return _render(engine, msgs, tool_defs, add_generation_prompt, template_kwargs)
+
     if tool_list is None:
-        native = _render(engine, messages, None, add_generation_prompt)
+        native = render(messages, None)
         if not any(m.get("tool_calls") for m in messages):
             return native
-        if native != _render(engine, [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], None,
-                             add_generation_prompt):
+        if native != render([{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], None):
             return native  # the template writes calls itself
-        return _render(engine, calls_as_text(messages), None, add_generation_prompt)
-    native = _render(engine, messages, tool_list, add_generation_prompt)
-    if native != _render(engine, messages, None, add_generation_prompt):
+        return render(calls_as_text(messages), None)
+    native = render(messages, tool_list)
+    if native != render(messages, None):
         return native
-    return _render(engine, fallback_messages(messages, tool_list), None, add_generation_prompt)
+    return render(fallback_messages(messages, tool_list), None)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs (as vLLM and llama.cpp's server take them, e.g. {"enable_thinking": false}
+    for a Qwen3-family template): extra variables for the template, never ones the server sets."""
+    if not kwargs:
+        return None
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise bad_request(f"chat_template_kwargs may not set {key[:64]!r}", "chat_template_kwargs")
+    return kwargs
 
 
 def fallback_messages(messages: list[dict[str, Any]], tool_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -212,6 +241,10 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"role": role, "content": message_text(msg.content, where, msg)}
         if msg.name is not None:
             item["name"] = params.check_text(msg.name, f"{where}.name")
+        if msg.reasoning_content is not None:  # a thinking model's reasoning, for templates that keep it
+            if msg.role != "assistant":
+                raise bad_request("only assistant messages carry reasoning_content", f"{where}.reasoning_content")
+            item["reasoning_content"] = params.check_text(msg.reasoning_content, f"{where}.reasoning_content")
         if msg.tool_calls:
             if msg.role != "assistant":
                 raise bad_request("only assistant messages may carry tool_calls", f"{where}.tool_calls")
@@ -252,11 +285,11 @@ def message_text(content: Any, where: str, msg: ChatMessage) -> str:
 
 
 def _render(engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            add_generation_prompt: bool = True) -> list[int]:
-    text_len = len(json.dumps(messages, ensure_ascii=False, default=str)) + len(json.dumps(tools or [], default=str))
+            add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    text_len = sum(len(json.dumps(part or [], ensure_ascii=False, default=str)) for part in (messages, tools, template_kwargs))
     check_chars(text_len, engine.max_model_len, "messages")
     try:
-        ids = engine.tokenizer.render_chat(messages, tools, add_generation_prompt)
+        ids = engine.tokenizer.render_chat(messages, tools, add_generation_prompt, template_kwargs)
     except TemplateError as e:  # the tokenizer wraps jinja errors and a template's raise_exception
         raise bad_request(f"chat template error: {e}", "messages", "template_error") from None
     if not ids:

@@ -15,6 +15,7 @@ from typing import Any
 
 from prefixserve.server.errors import error_body
 from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.reasoning import ReasoningStream, split_reasoning
 from prefixserve.server.tools import ParsedReply, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.server.tools import finish_reason as replied
 from prefixserve.types import Request, TokenLogprob, Usage
@@ -122,6 +123,8 @@ class CompletionShape(Shape):
         if text or logprobs or finish_reason is not None:
             out.append(self._chunk({"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
                                     "finish_reason": finish_reason}))
+            if self.logprobs is not None:  # the next chunk's offsets start after this one's characters
+                self._offsets[index] = self._offsets.get(index, len(self._prefix(index))) + len(text)
         return out
 
     def _prefix(self, index: int) -> str:
@@ -135,9 +138,7 @@ class CompletionShape(Shape):
                   prompt: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        start = self._offsets.get(index, len(self._prefix(index)))
-        out = self.logprobs.completion(entries, start)
-        self._offsets[index] = start + sum(len(t) for t in out["tokens"])
+        out = self.logprobs.completion(entries, self._offsets.get(index, len(self._prefix(index))))
         if prompt is not None and self.echo:
             out = {k: v + out[k] for k, v in self.logprobs.prompt(self._echoed(index)[1], prompt).items()}
         return out
@@ -147,15 +148,20 @@ class CompletionShape(Shape):
 class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     tools: ToolSetup | None = None  # parse tool calls out of the replies
+    thinking: bool | None = None  # split reasoning out (server/reasoning.py); True: the prompt opened <think>
     _streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    _thoughts: dict[int, ReasoningStream] = field(default_factory=dict)
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         body = []
         for c in choices:
             cut = c.finish_reason == "length"
-            reply = parse_tool_calls(c.text, self.tools, cut) if self.tools else ParsedReply(c.text, ())
+            reasoning, text = (None, c.text) if self.thinking is None else split_reasoning(c.text, self.thinking)
+            reply = parse_tool_calls(text, self.tools, cut) if self.tools else ParsedReply(text, ())
             message = {"role": "assistant", "content": reply.content, "refusal": None,
                        "tool_calls": [call.as_dict() for call in reply.calls] or None}
+            if self.thinking is not None:
+                message["reasoning_content"] = reasoning
             body.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
                          "finish_reason": replied(reply, c.finish_reason)})
         return {**self._head("chat.completion"), "choices": body, "usage": usage_dict(usage)}
@@ -165,9 +171,19 @@ class ChatShape(Shape):
 
     def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
                finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+        out = []
+        if self.thinking is not None:
+            thought = self._thoughts.setdefault(index, ReasoningStream(self.thinking))
+            reasoning, text = thought.feed(text)
+            if finish_reason is not None:
+                more, rest = thought.finish()
+                reasoning, text = reasoning + more, text + rest
+            if reasoning:
+                out.append(self._delta(index, {"reasoning_content": reasoning}, None))
         if self.tools is not None:
             text = self._stream(index).feed(text)
-        out = [self._delta(index, {"content": text}, None, logprobs)] if text or logprobs else []
+        if text or logprobs:
+            out.append(self._delta(index, {"content": text}, None, logprobs))
         if finish_reason is not None:
             if self.tools is not None:
                 reply = self._stream(index).finish(cut=finish_reason == "length")

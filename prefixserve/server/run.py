@@ -81,6 +81,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_queued_requests": ("PREFIXSERVE_MAX_QUEUED_REQUESTS", int, EngineConfig().max_queued_requests),
     "default_max_tokens": ("PREFIXSERVE_DEFAULT_MAX_TOKENS", int, DEFAULT_MAX_TOKENS),
     "max_stored_responses": ("PREFIXSERVE_MAX_STORED_RESPONSES", int, ServerConfig().max_stored_responses),
+    "reasoning_parser": ("PREFIXSERVE_REASONING_PARSER", str, "auto"),
     "max_session_bytes": ("PREFIXSERVE_MAX_SESSION_BYTES", parse_bytes, EngineConfig().max_session_bytes),
     "data_dir": ("PREFIXSERVE_DATA_DIR", str, None),  # None = config.default_data_dir
     "model_cache_dir": ("PREFIXSERVE_MODEL_CACHE_DIR", str, None),  # None = models.prepared.default_cache_dir
@@ -145,6 +146,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id}, in all; "
            "past it the tenant holding the most loses its least recently used; 0 keeps none "
            "(PREFIXSERVE_MAX_STORED_RESPONSES; default 4096)")
+    a("--reasoning-parser", choices=["auto", "none"],
+      help="auto: a thinking model's <think> block as reasoning_content (chat); none: left in the text "
+           "(PREFIXSERVE_REASONING_PARSER; default auto)")
     a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
@@ -212,6 +216,7 @@ def run_serve(args: argparse.Namespace) -> int:
             pricing_path=s["pricing"],
             default_max_tokens=s["default_max_tokens"],
             max_stored_responses=s["max_stored_responses"],
+            reasoning_parser=s["reasoning_parser"],
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         data_dir.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as this server returns it
 
 
 class FunctionDef(BaseModel):
@@ -106,6 +107,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, llama.cpp): template variables
     functions: Any = None  # the legacy API; refused
     function_call: Any = None
 
@@ -150,6 +152,7 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool | None = None  # messages: default true, as a chat request renders them
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # only true (the default): what /v1/completions encodes
     return_token_strs: bool | None = None
 

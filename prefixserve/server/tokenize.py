@@ -19,7 +19,7 @@ from typing import Any
 
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.server import params
-from prefixserve.server.chat import check_tools, render_messages, render_prompt
+from prefixserve.server.chat import check_template_kwargs, check_tools, render_messages, render_prompt
 from prefixserve.server.completions import prompt_token_ids
 from prefixserve.server.errors import bad_request
 from prefixserve.server.schemas import DetokenizeRequest, TokenizeRequest
@@ -35,11 +35,11 @@ def tokenize(body: TokenizeRequest, engine: EngineClient) -> dict[str, Any]:
                           "add_special_tokens")
     if body.messages is not None:
         ids = render_prompt(engine, render_messages(body.messages), check_tools(body),
-                            body.add_generation_prompt is not False)
+                            body.add_generation_prompt is not False, check_template_kwargs(body.chat_template_kwargs))
     else:
-        if body.add_generation_prompt is not None or body.tools is not None:
-            raise bad_request("add_generation_prompt and tools go with messages",
-                              "add_generation_prompt" if body.add_generation_prompt is not None else "tools")
+        for name in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+            if getattr(body, name) is not None:
+                raise bad_request("add_generation_prompt, tools and chat_template_kwargs go with messages", name)
         ids = prompt_token_ids(body.prompt, engine)
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
             "token_strs": _token_strs(engine, ids) if body.return_token_strs else None}

@@ -24,6 +24,7 @@ OFFSET = 3
 class FakeTokenizer:
     eos_token_ids = (0,)
     vocab_size = 256 + OFFSET
+    thinks = False  # a test sets it to split replies as a thinking model's
 
     def encode(self, text: str) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
@@ -39,8 +40,11 @@ class FakeTokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         text = ""
+        if template_kwargs:
+            text += "<kwargs>" + json.dumps(template_kwargs, sort_keys=True) + "</kwargs>\n"
         if tools:
             text += "<tools>" + json.dumps(tools, sort_keys=True) + "</tools>\n"
         for m in messages:
@@ -51,7 +55,7 @@ class FakeTokenizer:
                 text += json.dumps(m["tool_calls"], sort_keys=True)
             text += "\n"
         if add_generation_prompt:
-            text += "<assistant>"
+            text += "<assistant>" + ("<think>" if (template_kwargs or {}).get("open_think") else "")
         return self.encode(text)
 
 

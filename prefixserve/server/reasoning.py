@@ -1,0 +1,99 @@
+"""A thinking model's reply split into `reasoning_content` and `content` (chat completions).
+
+Qwen3-family models think before they answer: ``<think>`` reasoning ``</think>`` answer. Their chat
+templates either leave the ``<think>`` to the model or write it at the end of the prompt (the reply
+then starts inside the block; `thinking`), and `chat_template_kwargs: {"enable_thinking": false}`
+writes an empty block instead. As vLLM's and llama.cpp's servers do, the reasoning goes out as
+`message.reasoning_content` (`delta.reasoning_content` when streamed) and only the answer as `content`,
+where tool calls are then parsed. Reasoning is stripped of surrounding whitespace, the answer of
+leading whitespace; a reply cut while thinking is all reasoning. Streaming gives the same strings:
+text that could still be a tag or trailing whitespace is held until it is known.
+
+On only for a model whose vocabulary has both tags as tokens and whose chat template writes them
+(`Tokenizer.think_tags`), so other models' replies are never touched; `--reasoning-parser none` turns
+it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a whole reply; `thinking`: the prompt opened the block."""
+    if not thinking:
+        if not text.lstrip().startswith(OPEN):
+            return None, text
+        text = text.lstrip()[len(OPEN):]
+    end = text.find(CLOSE)
+    if end == -1:
+        return text.strip(), ""
+    return text[:end].strip(), text[end + len(CLOSE):].lstrip()
+
+
+@dataclass(slots=True)
+class ReasoningStream:
+    """Streaming side of `split_reasoning`: `feed` returns the (reasoning, content) safe to send now."""
+
+    thinking: bool
+    _state: str = ""  # "start" (before a possible <think>), "think", "after" (skipping whitespace), "content"
+    _held: str = ""
+    _said: bool = False  # some reasoning went out (later leading whitespace is inner, not leading)
+
+    def __post_init__(self) -> None:
+        self._state = "think" if self.thinking else "start"
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        reasoning = ""
+        if self._state == "start":
+            head = self._held.lstrip()
+            if head.startswith(OPEN):
+                self._state, self._held = "think", head[len(OPEN):]
+            elif OPEN.startswith(head):  # nothing yet, or a tag on its way
+                return "", ""
+            else:
+                self._state = "content"
+        if self._state == "think":
+            end = self._held.find(CLOSE)
+            if end == -1:
+                tag = _partial_len(self._held, CLOSE)  # a tag on its way, and whitespace that may be trailing
+                base = self._held[: len(self._held) - tag]
+                keep = tag + len(base) - len(base.rstrip())
+                return self._reasoning(self._held[: len(self._held) - keep], keep), ""
+            rest = self._held[end + len(CLOSE):]
+            reasoning = self._reasoning(self._held[:end].rstrip(), 0)
+            self._state, self._held = "after", rest
+        if self._state == "after":
+            self._held = self._held.lstrip()
+            if not self._held:
+                return reasoning, ""
+            self._state = "content"
+        out, self._held = self._held, ""
+        return reasoning, out
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held, as (reasoning, content), once the reply ended."""
+        held, self._held = self._held, ""
+        if self._state == "start":
+            return "", held
+        if self._state == "think":
+            return (held.rstrip() if self._said else held.strip()), ""
+        return "", "" if self._state == "after" else held
+
+    def _reasoning(self, text: str, keep: int) -> str:
+        if not self._said:
+            text = text.lstrip()
+        self._held = self._held[len(self._held) - keep:] if keep else ""
+        self._said = self._said or bool(text)
+        return text
+
+
+def _partial_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
