@@ -210,6 +210,17 @@ def test_streaming_and_non_streaming_agree_and_carry_usage(server: ServerProcess
     assert last.choices == [] and last.usage.completion_tokens == done.usage.completion_tokens
     assert last.usage.prompt_tokens_details.cached_tokens >= done.usage.prompt_tokens - 1
 
+    # emoji replies: tokens that are parts of a character, their logprobs the same streamed and not
+    ask = {"model": model_id(server), "prompt": "Emoji: 🐱", "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    whole = c.completions.create(**ask).choices[0]
+    parts = [ch.choices[0] for ch in c.completions.create(**ask, stream=True) if ch.choices]
+    assert "".join(p.text for p in parts) == whole.text
+    assert whole.logprobs is not None and all(p.logprobs is not None for p in parts)
+    for name in ("tokens", "text_offset", "token_logprobs"):
+        assert [v for p in parts for v in getattr(p.logprobs, name)] == getattr(whole.logprobs, name), name
+    offsets = whole.logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] <= len(whole.text)
+
 
 def test_sixteen_concurrent_streams_share_the_system_prompt(server: ServerProcess) -> None:
     chat(server, "Warm-up question.", max_tokens=1)
