@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -41,12 +40,10 @@ from prefixserve.server.response_items import (
     resolved,
     typed_items,
 )
+from prefixserve.server.response_shape import ResponseShape
 from prefixserve.server.response_store import ResponseStore
-from prefixserve.server.responses import ChatShape, ChoiceOutput, Prepared, Shape
+from prefixserve.server.responses import ChatShape, Prepared
 from prefixserve.server.schemas import ChatCompletionRequest, ResponsesRequest
-from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
-from prefixserve.server.tools import finish_reason as replied
-from prefixserve.types import TokenLogprob, Usage
 
 LOGPROBS = "message.output_text.logprobs"  # `include`: each output_text part and delta carries its tokens' logprobs
 
@@ -183,140 +180,3 @@ def _renamed(e: APIError, num_system: int, num_history: int) -> APIError:
                 break
         e.param = e.param.replace(".function.", ".")
     return e
-
-
-def usage_object(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.total_tokens}
-
-
-@dataclass(slots=True)
-class ResponseShape(Shape):
-    """A `response` object, or its stream of typed events (one choice: the Responses API has no `n`)."""
-
-    ends_with_done = False  # OpenAI's Responses stream ends with its response.completed event
-    named_events = True
-    tools: ToolSetup | None = None
-    echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
-    keep: Callable[[dict[str, Any]], None] | None = None  # given the finished response (server/response_store.py)
-    _seq: int = 0
-    _stream: ToolCallStream | None = None
-    _message_id: str = ""  # the streamed message item, once opened
-    _text: str = ""
-    _pending: list[TokenLogprob] = field(default_factory=list)  # logprobs of tokens whose text is not out yet
-    _sent: list[dict[str, Any]] = field(default_factory=list)  # logprobs that went out with the message's text
-    _output: list[dict[str, Any]] = field(default_factory=list)
-    _finish: str = "stop"
-
-    def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
-        c = choices[0]
-        reply = parse_tool_calls(c.text, self.tools, c.finish_reason == "length") if self.tools else ParsedReply(c.text, ())
-        cut = c.finish_reason == "length" and not reply.calls
-        lps = self._rendered(c.logprobs) if not reply.calls else []  # a reply with calls: no text logprobs
-        output = [] if reply.content is None and reply.calls else [
-            _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut, lps)]
-        output += [_call(call) for call in reply.calls]
-        return self._kept(self._response(output, usage, replied(reply, c.finish_reason)))
-
-    def opening(self, num_choices: int) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self._response([], None, None)),
-                self._event("response.in_progress", response=self._response([], None, None))]
-
-    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
-        if self.tools is not None and self._stream is None:
-            self._stream = ToolCallStream(self.tools)
-        self._pending += logprobs
-        out = self._delta(self._stream.feed(text) if self._stream is not None else text)
-        if finish_reason is None:
-            return out
-        self._finish = finish_reason
-        calls: tuple[ToolCallOut, ...] = ()
-        if self._stream is not None:
-            reply = self._stream.finish(cut=finish_reason == "length")
-            out += self._delta(reply.content or "")
-            calls = reply.calls
-            self._finish = replied(reply, finish_reason)  # as chat's finish_reason
-        if self._message_id or not calls:  # an empty reply is still one (empty) message
-            if not self._message_id:
-                out += self._open_message()
-            lps = [] if calls else self._sent
-            item = _message(self._message_id, self._text, self._finish == "length", lps)
-            part = item["content"][0]
-            ids = {"item_id": self._message_id, "output_index": 0}
-            out += [self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=lps),
-                    self._event("response.content_part.done", **ids, content_index=0, part=part),
-                    self._event("response.output_item.done", output_index=0, item=item)]
-            self._output.append(item)
-        for call in calls:
-            item = _call(call)
-            at = {"item_id": item["id"], "output_index": len(self._output)}
-            out += [self._event("response.output_item.added", output_index=at["output_index"],
-                                item={**item, "arguments": "", "status": "in_progress"}),
-                    self._event("response.function_call_arguments.delta", **at, delta=call.arguments),
-                    self._event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments),
-                    self._event("response.output_item.done", output_index=at["output_index"], item=item)]
-            self._output.append(item)
-        return out
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        """The last event: the whole response, with its usage."""
-        response = self._kept(self._response(self._output, usage, self._finish))
-        done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return self._event(done, response=response)
-
-    def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
-        if self.keep is not None:
-            self.keep(response)
-        return response
-
-    def failure(self, message: str) -> dict[str, Any]:
-        """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream)."""
-        response = {**self._response(self._output, None, None), "status": "failed",
-                    "error": {"code": "server_error", "message": message}}
-        return self._event("response.failed", response=response)
-
-    def _delta(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        out = [] if self._message_id else self._open_message()
-        self._text += text
-        lps = self._rendered(self._pending)
-        self._pending = []
-        self._sent += lps
-        return [*out, self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                  content_index=0, delta=text, logprobs=lps)]
-
-    def _rendered(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-        """OpenAI's logprobs entries ({token, logprob, bytes, top_logprobs}), when the request asked for them."""
-        return [] if self.logprobs is None or not entries else self.logprobs.chat(entries)["content"]
-
-    def _open_message(self) -> list[dict[str, Any]]:
-        self._message_id = f"msg_{uuid.uuid4().hex}"
-        item = {**_message(self._message_id, ""), "status": "in_progress", "content": []}
-        return [self._event("response.output_item.added", output_index=0, item=item),
-                self._event("response.content_part.added", item_id=self._message_id, output_index=0, content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self._seq += 1
-        return {"type": kind, "sequence_number": self._seq - 1, **fields}
-
-    def _response(self, output: list[dict[str, Any]], usage: Usage | None, finish: str | None) -> dict[str, Any]:
-        status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.model, "output": output, **self.echo,
-                "usage": None if usage is None else usage_object(usage)}
-
-
-def _message(item_id: str, text: str, cut: bool = False, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """An assistant message item; `cut`: max_output_tokens ended it (status incomplete, as OpenAI)."""
-    return {"type": "message", "id": item_id, "status": "incomplete" if cut else "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
-
-
-def _call(call: ToolCallOut) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": "completed" if call.complete else "incomplete"}
