@@ -145,7 +145,7 @@ def create_app(
         tenant_id = keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), ResponsesRequest)
         inline = body.tools is None and body.text is None  # grammars compile in the thread pool
-        prepare = functools.partial(prepare_response, store=stored)
+        prepare = functools.partial(prepare_response, store=stored, think_split=server_config.reasoning_parser != "none")
         return await _generate(request, await _prepare(prepare, body, tenant_id, inline=inline))
 
     def stored_response(response_id: str, request: Request) -> Stored:

@@ -17,7 +17,7 @@ from typing import Any
 from prefixserve.server.errors import APIError, bad_request
 
 TEXT_PARTS = ("input_text", "output_text", "text")
-KINDS = ("message", "function_call", "function_call_output", "item_reference")
+KINDS = ("message", "function_call", "function_call_output", "item_reference", "reasoning")
 MAX_LIMIT = 100
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
               "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
@@ -84,17 +84,21 @@ def chat_messages(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise bad_request("input must be a string or a non-empty list of items", "input")
     out: list[dict[str, Any]] = []
+    thought = ""  # a reasoning item's text, for the assistant turn it precedes
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request("an input item must be an object", where)
         kind = item.get("type", "message")
+        if kind == "reasoning":  # as this server outputs it: the text in content (a summary is not the text)
+            thought += _reasoning_text(item.get("content"), where)
+            continue
         if kind == "message":
             out.append({"role": item.get("role"), "content": _content(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if out and out[-1]["role"] == "assistant":  # text and calls of one turn: one assistant message
+            if out and out[-1]["role"] == "assistant" and not thought:  # text and calls of one turn: one message
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -103,7 +107,17 @@ def chat_messages(items: Any) -> list[dict[str, Any]]:
                         "content": _content(item.get("output"), where, "output")})
         else:
             raise bad_request(f"input item type {kind!r} is not supported ({', '.join(KINDS)})", f"{where}.type")
+        if thought and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], thought = thought, ""
     return out
+
+
+def _reasoning_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        raise bad_request("a reasoning item's content must be a list of reasoning_text parts", f"{where}.content")
+    return "".join(p["text"] for p in content)
 
 
 def typed_items(items: Any) -> list[dict[str, Any]]:
@@ -126,6 +140,10 @@ def typed_items(items: Any) -> list[dict[str, Any]]:
             out.append({"type": kind, "id": given if isinstance(given, str) else f"fc_{uuid.uuid4().hex}",
                         "call_id": item.get("call_id"), "name": item.get("name"),
                         "arguments": item.get("arguments"), "status": "completed"})
+        elif kind == "reasoning":
+            out.append({"type": kind, "id": given if isinstance(given, str) else f"rs_{uuid.uuid4().hex}",
+                        "summary": item.get("summary") or [], "content": item.get("content") or [],
+                        "status": "completed"})
         else:
             out.append({"type": kind, "id": given if isinstance(given, str) else f"fco_{uuid.uuid4().hex}",
                         "call_id": item.get("call_id"), "output": item.get("output"), "status": "completed"})

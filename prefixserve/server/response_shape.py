@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.server.reasoning import ReasoningStream, split_reasoning
 from prefixserve.server.responses import ChoiceOutput, Shape
 from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.server.tools import finish_reason as replied
@@ -37,9 +38,14 @@ class ResponseShape(Shape):
     tools: ToolSetup | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
     keep: Callable[[dict[str, Any]], None] | None = None  # given the finished response (server/response_store.py)
+    thinking: bool | None = None  # a thinking model's reasoning as a reasoning item (server/reasoning.py)
     _seq: int = 0
     _stream: ToolCallStream | None = None
+    _thought: ReasoningStream | None = None
+    _reasoning_id: str = ""  # the streamed reasoning item while open
+    _reasoning: str = ""
     _message_id: str = ""  # the streamed message item, once opened
+    _at: int = 0  # its output_index
     _text: str = ""
     _pending: list[TokenLogprob] = field(default_factory=list)  # logprobs of tokens whose text is not out yet
     _sent: list[dict[str, Any]] = field(default_factory=list)  # logprobs that went out with the message's text
@@ -48,10 +54,12 @@ class ResponseShape(Shape):
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         c = choices[0]
-        reply = parse_tool_calls(c.text, self.tools, c.finish_reason == "length") if self.tools else ParsedReply(c.text, ())
+        reasoning, text = (None, c.text) if self.thinking is None else split_reasoning(c.text, self.thinking)
+        reply = parse_tool_calls(text, self.tools, c.finish_reason == "length") if self.tools else ParsedReply(text, ())
         cut = c.finish_reason == "length" and not reply.calls
         lps = self._rendered(c.logprobs) if not reply.calls else []  # a reply with calls: no text logprobs
-        output = [] if reply.content is None and reply.calls else [
+        output = [_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning)] if reasoning else []
+        output += [] if reply.content is None and reply.calls else [
             _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut, lps)]
         output += [_call(call) for call in reply.calls]
         return self._kept(self._response(output, usage, replied(reply, c.finish_reason)))
@@ -65,7 +73,16 @@ class ResponseShape(Shape):
         if self.tools is not None and self._stream is None:
             self._stream = ToolCallStream(self.tools)
         self._pending += logprobs
-        out = self._delta(self._stream.feed(text) if self._stream is not None else text)
+        out = []
+        if self.thinking is not None:
+            if self._thought is None:
+                self._thought = ReasoningStream(self.thinking)
+            reasoning, text = self._thought.feed(text)
+            if finish_reason is not None:
+                more, rest = self._thought.finish()
+                reasoning, text = reasoning + more, text + rest
+            out += self._reason(reasoning, done=bool(text) or finish_reason is not None)
+        out += self._delta(self._stream.feed(text) if self._stream is not None else text)
         if finish_reason is None:
             return out
         self._finish = finish_reason
@@ -81,10 +98,10 @@ class ResponseShape(Shape):
             lps = [] if calls else self._sent
             item = _message(self._message_id, self._text, self._finish == "length", lps)
             part = item["content"][0]
-            ids = {"item_id": self._message_id, "output_index": 0}
+            ids = {"item_id": self._message_id, "output_index": self._at}
             out += [self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=lps),
                     self._event("response.content_part.done", **ids, content_index=0, part=part),
-                    self._event("response.output_item.done", output_index=0, item=item)]
+                    self._event("response.output_item.done", output_index=self._at, item=item)]
             self._output.append(item)
         for call in calls:
             item = _call(call)
@@ -122,18 +139,39 @@ class ResponseShape(Shape):
         lps = self._rendered(self._pending)
         self._pending = []
         self._sent += lps
-        return [*out, self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+        return [*out, self._event("response.output_text.delta", item_id=self._message_id, output_index=self._at,
                                   content_index=0, delta=text, logprobs=lps)]
+
+    def _reason(self, text: str, done: bool) -> list[dict[str, Any]]:
+        """The reasoning item's events: opened with its first text, closed (`done`) when the answer
+        starts or the reply ends."""
+        out = []
+        if text:
+            if not self._reasoning_id:
+                self._reasoning_id = f"rs_{uuid.uuid4().hex}"
+                item = {**_reasoning_item(self._reasoning_id, ""), "content": [], "status": "in_progress"}
+                out.append(self._event("response.output_item.added", output_index=len(self._output), item=item))
+            self._reasoning += text
+            out.append(self._event("response.reasoning_text.delta", item_id=self._reasoning_id,
+                                   output_index=len(self._output), content_index=0, delta=text))
+        if done and self._reasoning_id:
+            ids = {"item_id": self._reasoning_id, "output_index": len(self._output)}
+            item = _reasoning_item(self._reasoning_id, self._reasoning)
+            out += [self._event("response.reasoning_text.done", **ids, content_index=0, text=self._reasoning),
+                    self._event("response.output_item.done", output_index=len(self._output), item=item)]
+            self._output.append(item)
+            self._reasoning_id = ""
+        return out
 
     def _rendered(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
         """OpenAI's logprobs entries ({token, logprob, bytes, top_logprobs}), when the request asked for them."""
         return [] if self.logprobs is None or not entries else self.logprobs.chat(entries)["content"]
 
     def _open_message(self) -> list[dict[str, Any]]:
-        self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._message_id, self._at = f"msg_{uuid.uuid4().hex}", len(self._output)
         item = {**_message(self._message_id, ""), "status": "in_progress", "content": []}
-        return [self._event("response.output_item.added", output_index=0, item=item),
-                self._event("response.content_part.added", item_id=self._message_id, output_index=0, content_index=0,
+        return [self._event("response.output_item.added", output_index=self._at, item=item),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=self._at, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -152,6 +190,12 @@ def _message(item_id: str, text: str, cut: bool = False, logprobs: list[dict[str
     """An assistant message item; `cut`: max_output_tokens ended it (status incomplete, as OpenAI)."""
     return {"type": "message", "id": item_id, "status": "incomplete" if cut else "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    """A thinking model's reasoning, as OpenAI's reasoning item carries a model's raw reasoning text."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
 
 
 def _call(call: ToolCallOut) -> dict[str, Any]:

@@ -50,7 +50,7 @@ LOGPROBS = "message.output_text.logprobs"  # `include`: each output_text part an
 
 def prepare_response(
     body: ResponsesRequest, engine: EngineClient, tenant_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    memo: PromptMemo | None = None, store: ResponseStore | None = None,
+    memo: PromptMemo | None = None, store: ResponseStore | None = None, think_split: bool = True,
 ) -> Prepared:
     """Validate a Responses body for `tenant_id` and prepare it as its chat request. Raises APIError(400)
     naming the Responses field (404 for a `previous_response_id` the tenant has not stored). With a
@@ -94,7 +94,8 @@ def prepare_response(
     if LOGPROBS in (body.include or []) or body.top_logprobs is not None:
         chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
     try:
-        prepared = prepare_chat(ChatCompletionRequest.model_validate(chat), engine, tenant_id, default_max_tokens, memo)
+        prepared = prepare_chat(ChatCompletionRequest.model_validate(chat), engine, tenant_id, default_max_tokens, memo,
+                                think_split)
     except ValidationError as e:
         raise _renamed(validation_error(list(e.errors())), len(system), len(history)) from None
     except APIError as e:
@@ -120,7 +121,7 @@ def prepare_response(
             store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], items, response)
     shape = ResponseShape(id=response_id, model=prepared.shape.model, include_usage=True,
                           fingerprint=prepared.shape.fingerprint, logprobs=prepared.shape.logprobs,
-                          tools=prepared.shape.tools, echo=echo, keep=keep)
+                          tools=prepared.shape.tools, echo=echo, keep=keep, thinking=prepared.shape.thinking)
     return replace(prepared, shape=shape)
 
 
@@ -129,7 +130,9 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
-    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
+    thought = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
+    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {}),
+            **({"reasoning_content": thought} if thought else {})}
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

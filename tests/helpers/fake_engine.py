@@ -25,6 +25,7 @@ class FakeTokenizer:
     eos_token_ids = (0,)
     vocab_size = 256 + OFFSET
     thinks = False  # a test sets it to split replies as a thinking model's
+    opens_think = False  # ... and this for a template whose generation prompt opens <think>
 
     def encode(self, text: str) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
@@ -50,12 +51,13 @@ class FakeTokenizer:
         for m in messages:
             if "RAISE_TEMPLATE_ERROR" in m["content"]:
                 raise TemplateError("this template refuses the message")
-            text += f"<{m['role']}>{m['content']}"
+            thought = f"<think>{m['reasoning_content']}</think>" if m.get("reasoning_content") else ""
+            text += f"<{m['role']}>{thought}{m['content']}"
             if m.get("tool_calls"):
                 text += json.dumps(m["tool_calls"], sort_keys=True)
             text += "\n"
         if add_generation_prompt:
-            text += "<assistant>" + ("<think>" if (template_kwargs or {}).get("open_think") else "")
+            text += "<assistant>" + ("<think>" if self.opens_think or (template_kwargs or {}).get("open_think") else "")
         return self.encode(text)
 
 

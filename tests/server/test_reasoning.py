@@ -104,3 +104,55 @@ def test_chat_template_kwargs_reach_the_template_and_the_key(client: TestClient,
     r = client.post(CH, json={**body, "messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]},
                     headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].reasoning_content"
+
+
+QWEN3_LIKE = (  # the Qwen3 template's generation prompt: thinking on opens nothing, off writes an empty block
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if open_think is defined %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A byte-level tokenizer with <think> and </think> as (non-special) added tokens, as Qwen3's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from prefixserve.models.tokenizer import load_tokenizer_folder
+
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                               merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.add_tokens(["<think>", "</think>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = QWEN3_LIKE
+    folder = str(tmp_path_factory.mktemp("thinking-tokenizer"))
+    fast.save_pretrained(folder)
+    return load_tokenizer_folder(folder)
+
+
+@pytest.mark.parametrize(("kwargs", "opened"), [(None, False), ({"enable_thinking": False}, False),
+                                                ({"open_think": True}, True)])
+def test_a_qwen3_like_tokenizer_thinks_and_its_prompt_says_where_the_reply_starts(
+    thinking_tokenizer: Any, kwargs: dict[str, Any] | None, opened: bool,
+) -> None:
+    from types import SimpleNamespace
+
+    from prefixserve.server.chat import thinking_start
+
+    assert thinking_tokenizer.thinks
+    ids = thinking_tokenizer.render_chat([{"role": "user", "content": "2 + 2?"}], None, True, kwargs)
+    assert thinking_start(SimpleNamespace(tokenizer=thinking_tokenizer), ids) is opened  # type: ignore[arg-type]
+    think = thinking_tokenizer.hf.convert_tokens_to_ids("<think>")
+    assert (think in ids) == (kwargs is not None)  # the tags are single tokens
+
+
+def test_a_template_without_think_tags_does_not_think() -> None:
+    from prefixserve.models.loader import embedded_model_path
+    from prefixserve.models.tokenizer import load_tokenizer_gguf
+
+    assert not load_tokenizer_gguf(embedded_model_path()).thinks

@@ -121,7 +121,8 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": []}, "input"),
         ({}, "input"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "content": "thought"}, {"role": "user", "content": "a"}]}, "input[0].content"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content[0].type"),
         ({"instructions": "s", "input": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
@@ -328,3 +329,31 @@ def test_logprobs_when_included_streamed_and_not(client: TestClient) -> None:
     assert streamed == done["logprobs"] == evs[-1]["response"]["output"][0]["content"][0]["logprobs"] == part["logprobs"]
     plain = client.post(R, json={"input": "hello", "max_output_tokens": 4}, headers=auth()).json()
     assert plain["output"][0]["content"][0]["logprobs"] == []
+
+
+def test_a_thinking_models_reasoning_is_a_reasoning_item(client: TestClient, engine: FakeEngine) -> None:
+    """Output [reasoning, message], streamed as a reasoning item's events then the message's; chained or
+    replayed, the reasoning goes back to the template with its assistant turn."""
+    engine.tokenizer.thinks = engine.tokenizer.opens_think = True  # type: ignore[misc]
+    body = {"input": "Let me add.</think>It is 4.", "max_output_tokens": 40}
+    out = client.post(R, json=body, headers=auth()).json()["output"]
+    assert [o["type"] for o in out] == ["reasoning", "message"]
+    assert out[0]["content"][0]["text"] == "<user>Let me add." and out[0]["summary"] == []
+    assert out[1]["content"][0]["text"].startswith("It is 4.")
+    evs = events(client.post(R, json={**body, "stream": True}, headers=auth()).text)
+    said = "".join(e["delta"] for e in evs if e["type"] == "response.reasoning_text.delta")
+    text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+    assert said == out[0]["content"][0]["text"] and text == out[1]["content"][0]["text"]
+    kinds = [e["type"] for e in evs if e["type"].startswith("response.output_item")]
+    assert kinds == ["response.output_item.added", "response.output_item.done"] * 2
+    assert [e["output_index"] for e in evs if e["type"] == "response.output_item.added"] == [0, 1]
+    final = evs[-1]["response"]["output"]
+    assert [o["type"] for o in final] == ["reasoning", "message"] and final[0]["content"] == out[0]["content"]
+    chained = client.post(R, json={"input": "next", "previous_response_id": evs[-1]["response"]["id"],
+                                   "max_output_tokens": 1}, headers=auth())
+    assert chained.status_code == 200, chained.text
+    prompt = engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+    assert f"<assistant><think>{said}</think>{text}" in prompt  # the turn's reasoning, given back
+    replayed = [{"role": "user", "content": "Let me add.</think>It is 4."}, *final, {"role": "user", "content": "next"}]
+    client.post(R, json={"input": replayed, "max_output_tokens": 1}, headers=auth())
+    assert engine.requests[-1].prompt_ids == engine.requests[-2].prompt_ids  # replaying the items: the same prompt
