@@ -81,6 +81,8 @@ def settled_logprobs(s: Session) -> tuple[TokenLogprob, ...]:
     """The held logprob entries whose tokens' text is settled (engine/detok.py num_settled): an
     entry goes out with the delta that carries its token's text (part of a character waits for the
     rest), and the entries of a stop string's tokens, whose text was cut, never go out."""
+    if not s.held_logprobs:  # no logprobs asked for (the common case): nothing to look up
+        return ()
     n = min(s.detok.num_settled - s.num_logprobs_out, len(s.held_logprobs))
     if n <= 0:
         return ()
