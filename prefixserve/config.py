@@ -101,8 +101,8 @@ class EngineConfig:
             raise ValueError("max_batch_tokens must be >= prefill_chunk_tokens")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be >= 0")
+        if self.max_queued_requests < 1:  # 0 would refuse every request: one waits while the engine takes it
+            raise ValueError("max_queued_requests must be >= 1")
         if self.max_session_bytes < 1:
             raise ValueError("max_session_bytes must be >= 1")
 

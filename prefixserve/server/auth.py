@@ -107,6 +107,9 @@ class KeyStore:
         return principal.tenant_id
 
 
+_INLINE_COMMENT = re.compile(r"\s#(?:\s|$)")
+
+
 def parse_key_spec(spec: str) -> tuple[str, str]:
     """'KEY' -> (key-<sha256[:12]>, KEY); 'TENANT KEY' -> (TENANT, KEY). Raises ValueError."""
     parts = spec.split()
@@ -121,10 +124,16 @@ def parse_key_spec(spec: str) -> tuple[str, str]:
 
 
 def read_keys_file(path: str | Path) -> list[str]:
-    """Key specs from a file: one per line, '#' starts a comment, blank lines are skipped."""
+    """Key specs from a file: one per line, blank lines skipped. A comment is a line starting with
+    '#', or ' # ...' after a spec ('#' after whitespace and before whitespace or the end): a '#' inside
+    a key (`pass#word`, `#abc`) is part of it. A file with no key is an error: it must not leave the
+    server open by accident (an emptied or commented-out secrets file)."""
     specs: list[str] = []
     for lineno, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
+        line = raw.strip()
+        if line.startswith("#"):
+            continue
+        line = _INLINE_COMMENT.split(line, 1)[0].strip()
         if not line:
             continue
         try:
@@ -132,6 +141,8 @@ def read_keys_file(path: str | Path) -> list[str]:
         except ValueError as e:
             raise ValueError(f"{path}:{lineno}: {e}") from None
         specs.append(line)
+    if not specs:
+        raise ValueError(f"{path}: no API keys in the file (it would leave the server open)")
     return specs
 
 

@@ -138,7 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_overloaded(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Overloaded)
-        return error_response(APIError(429, str(exc), code="rate_limit_exceeded",
+        return error_response(APIError(429, str(exc), code="rate_limit_exceeded", type="requests",  # as OpenAI's
                                        headers={"Retry-After": str(exc.retry_after_s)}))
 
     async def on_unavailable(request: Request, exc: Exception) -> JSONResponse:

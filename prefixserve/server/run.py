@@ -105,7 +105,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--api-key", action="append", dest="api_keys", metavar="KEY",
       help="an API key, or 'TENANT KEY'; repeat for more tenants (PREFIXSERVE_API_KEYS, comma-separated)")
     a("--api-keys-file", metavar="FILE",
-      help="one 'KEY' or 'TENANT KEY' per line, '#' comments (PREFIXSERVE_API_KEYS_FILE)")
+      help="one 'KEY' or 'TENANT KEY' per line, '#' starts a comment at a line's start or after a space; no key is an error (PREFIXSERVE_API_KEYS_FILE)")
     a("--admin-key", metavar="KEY", help="key for the usage API across tenants (PREFIXSERVE_ADMIN_KEY)")
     a("--cache-max-bytes", type=parse_bytes, metavar="N",
       help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)")

@@ -32,6 +32,12 @@ def test_keys_file(tmp_path: Path) -> None:
     f.write_text("a b c\n")
     with pytest.raises(ValueError, match=":1:"):
         read_keys_file(f)
+    f.write_text("tenantX pass#word123456\nalice #StartsWithHash0123456 # hers\n#gone sk-x\nsk-three #\n")
+    assert read_keys_file(f) == ["tenantX pass#word123456", "alice #StartsWithHash0123456", "sk-three"]
+    for empty in ("", "\n  \n", "# sk-one\n#alice sk-two\n"):  # no key: an error, never an open server
+        f.write_text(empty)
+        with pytest.raises(ValueError, match="no API keys"):
+            read_keys_file(f)
 
 
 def test_keystore() -> None:
@@ -138,3 +144,12 @@ def test_the_bound_socket_refuses_connections_until_the_server_starts() -> None:
             socket.create_connection(sock.getsockname()[:2], timeout=2).close()
     finally:
         sock.close()
+
+
+def test_a_queue_of_zero_is_refused_at_start() -> None:
+    """0 would answer every request 429 (one waits while the engine thread takes it) on a healthy server."""
+    from prefixserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        EngineConfig(max_queued_requests=0)
+    assert EngineConfig(max_queued_requests=1).max_queued_requests == 1

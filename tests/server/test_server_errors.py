@@ -226,6 +226,7 @@ def test_a_full_queue_is_429_with_retry_after_and_a_stopped_engine_503(make_clie
     r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
     assert r.status_code == 429 and r.headers["retry-after"] == "2"
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and "waiting" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "requests"  # OpenAI's type for a request rate limit
     client = make_client(eng=BusyEngine(Unavailable("the server is shutting down")))
     r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
