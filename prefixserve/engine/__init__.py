@@ -109,7 +109,12 @@ def _build_core(
             shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec())
     max_len = loaded.arch.max_position
     if model_config.max_model_len is not None:
+        if model_config.max_model_len > max_len:
+            log.warning("--max-model-len %d is beyond the model's %d positions: the context is %d tokens",
+                        model_config.max_model_len, max_len, max_len)
         max_len = min(max_len, model_config.max_model_len)
+    if cache_config.max_bytes == 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
+        log.warning("--cache-max-bytes 0 turns caching off: the disk and shared tiers are neither written nor read")
     core = EngineCore(
         runner=runner,
         tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
