@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
+from prefixserve.cache.disk_io import WriteHealth, create_private, fsync_dir, make_private, remove
 from prefixserve.cache.entry import Entry, FlushResult, Hit
 from prefixserve.cache.prefix_cache import PrefixCache
 from prefixserve.cache.tier import (
@@ -60,8 +61,9 @@ class DiskRef:
 
 class DiskTier(WriteBehind):
     def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec) -> None:
-        """Scan `directory` (created, mode 0700): keep intact files of this fingerprint and runtime,
-        remove the rest, evict LRU (by mtime) over `max_bytes`. Starts the writer and loader threads."""
+        """Check `directory` (created 0700; docs/cache.md, "Privacy") and scan it: keep intact files of
+        this fingerprint and runtime, remove the rest, evict LRU (by mtime) over `max_bytes`. Starts the
+        writer and loader threads."""
         self.directory = directory
         self.fingerprint = fingerprint
         self.runtime = runtime
@@ -73,7 +75,9 @@ class DiskTier(WriteBehind):
         self._epoch = 0  # bumped by every flush; a write that straddles one is re-checked
         self._flushes: list[tuple[int, FlushScope]] = []
         self._closed = False
+        self._health = WriteHealth(directory)  # failed writes (docs/cache.md, "Disk failures")
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._health.check_directory()
         self._scan()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-disk-load")
         self._writer = threading.Thread(target=self._write_loop, name="prefixserve-disk-write", daemon=True)
@@ -102,9 +106,10 @@ class DiskTier(WriteBehind):
 
     def offer(self, ns: Namespace, token_ids: tuple[int, ...], state: Any) -> bool:
         """Queue `state` (immutable from now on, as a cache entry is) to be written; False if the queue
-        is full or the tier is closed. Never blocks on IO."""
+        is full, the tier is closed, or writes are failing (WriteHealth.refuses). Never blocks on IO."""
         with self._lock:
-            if self._closed or len(self._pending) >= MAX_PENDING_WRITES:
+            if (self._closed or len(self._pending) >= MAX_PENDING_WRITES
+                    or self._health.refuses(bool(self._pending) or self._busy)):
                 self._c.num_dropped_writes += 1
                 return False
             self._pending.append((ns, token_ids, state, self._epoch))
@@ -121,7 +126,7 @@ class DiskTier(WriteBehind):
             gone = [_path_of(e) for e in self._index.entries() if selects(scope, e.namespace)]
             result = self._index.flush(lambda dns: selects(scope, dns))
             self._c.num_flushed += result.num_entries
-        _remove(gone)
+        remove(gone)
         return result
 
     def stats(self) -> dict[str, float]:
@@ -130,7 +135,8 @@ class DiskTier(WriteBehind):
             out = {"disk_" + f.name.removeprefix("num_"): float(getattr(self._c, f.name))
                    for f in fields(TierCounters)}
             out.update(disk_bytes=float(self._index.num_bytes), disk_max_bytes=float(self._index.config.max_bytes),
-                       disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._pending)))
+                       disk_entries=float(self._index.num_entries), disk_pending_writes=float(len(self._pending)),
+                       disk_write_failures=float(self._health.num_failures), disk_writable=float(not self._health.failing))
             return out
 
     def close(self, timeout: float = 10.0) -> None:
@@ -149,28 +155,45 @@ class DiskTier(WriteBehind):
     _busy = False
 
     def _write_loop(self) -> None:
+        """Ends only at close: a failed write is counted, logged and forgotten, its state released at
+        once; after an OSError the queue too (docs/cache.md, "Disk failures")."""
         while True:
             with self._lock:
                 job = self._take_write()
                 if job is None:
                     return
-                ns, key, state, epoch = job
-                dns = disk_ns(ns)
-                path = self._path(dns, key)
-                held = self._index.get(dns, key)  # written already (with logits if these have them)
-                present = held is not None and (held.has_logits or not state.has_logits)
-                self._busy = not present
-            if not present:
-                try:
-                    self._write(ns, dns, key, state, epoch, path)
-                except Exception:  # a full disk or a bug: this entry is not persisted; serving goes on
-                    log.exception("disk tier: writing %s failed", os.path.basename(path))
-                    _remove([path + ".tmp"])
-            with self._lock:
-                self._busy = False
-                if not self._pending:  # no write outstanding can predate a flush any more
-                    self._flushes.clear()
-                self._lock.notify_all()
+                self._busy = True
+            try:
+                self._write_job(*job)
+            except Exception as e:  # noqa: BLE001 - WriteHealth logs it; a read-only or full disk, a bug
+                with self._lock:
+                    self._health.failed(e)
+                    if isinstance(e, OSError):  # the queued writes would fail too: hold none of them
+                        self._c.num_dropped_writes += len(self._pending)
+                        self._pending.clear()
+            else:
+                with self._lock:
+                    self._health.ok()
+            finally:
+                job = None  # the state is released now, not when the next write comes
+                with self._lock:
+                    self._busy = False
+                    if not self._pending:  # no write outstanding can predate a flush any more
+                        self._flushes.clear()
+                    self._lock.notify_all()
+
+    def _write_job(self, ns: Namespace, key: tuple[int, ...], state: Any, epoch: int) -> None:
+        dns = disk_ns(ns)
+        path = self._path(dns, key)
+        with self._lock:
+            held = self._index.get(dns, key)  # written already (with logits if these have them)
+            if held is not None and (held.has_logits or not state.has_logits):
+                return
+        try:
+            self._write(ns, dns, key, state, epoch, path)
+        except BaseException:
+            remove([path + ".tmp"])
+            raise
 
     def _write(self, ns: Namespace, dns: Namespace, key: tuple[int, ...], state: Any, epoch: int, path: str) -> None:
         meta, payload = self._codec.encode(state)
@@ -179,12 +202,12 @@ class DiskTier(WriteBehind):
                             bool(state.has_logits), meta, len(payload), *kind)
         data = encode_file(header, payload)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
+        with create_private(tmp) as f:  # mode 0600: every tenant's token ids are in it
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         with self._lock:
             if any(e > epoch and scope.selects(ns) for e, scope in self._flushes):
                 stale = [path]  # flushed while being written
@@ -198,7 +221,7 @@ class DiskTier(WriteBehind):
                 self._c.num_evictions += len(result.evicted)
                 self._c.num_writes += result.stored
                 self._c.num_write_bytes += len(data) if result.stored else 0
-        _remove(stale)
+        remove(stale)
 
     def _load(self, entry: Entry[DiskRef]) -> Loaded | LoadFailed:
         t0 = time.monotonic()
@@ -224,7 +247,7 @@ class DiskTier(WriteBehind):
                 self._c.num_corrupt_files += corrupt
                 if corrupt:
                     self._index.discard(entry)
-            _remove([ref.path] if corrupt else [])
+            remove([ref.path] if corrupt else [])
             return LoadFailed(str(e))
         seconds = time.monotonic() - t0
         with self._lock:
@@ -244,22 +267,23 @@ class DiskTier(WriteBehind):
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
             if name.endswith(".tmp"):
-                _remove([path])  # a write cut short by a crash
+                remove([path])  # a write cut short by a crash
             elif name.endswith(SUFFIX):
                 try:
-                    size = os.path.getsize(path)
+                    size = (st := os.stat(path)).st_size
+                    make_private(path, st.st_mode)  # written before files were created 0600
                     with open(path, "rb") as f:
                         header = read_header(f, size)
                 except (CorruptFile, OSError) as e:
                     log.warning("disk tier: dropping %s: %s", name, e)
                     self._c.num_corrupt_files += 1
-                    _remove([path])
+                    remove([path])
                     continue
                 if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
                     stale += 1
-                    _remove([path])
+                    remove([path])
                     continue
-                found.append((os.path.getmtime(path), path, size, header))
+                found.append((st.st_mtime, path, size, header))
         if stale:  # one line, not one per file: an upgrade may retire every file at once
             log.warning("disk tier: removed %d files of another model, dtype, kernel or runtime", stale)
             self._c.num_stale_files += stale
@@ -267,26 +291,10 @@ class DiskTier(WriteBehind):
             dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
             ref = DiskRef(path, len(h.token_ids), h.has_logits, size, h.truncatable, h.points)
             result = self._index.insert(dns, h.token_ids, ref)
-            _remove([_path_of(e) for e in result.evicted] + ([] if result.stored else [path]))
+            remove([_path_of(e) for e in result.evicted] + ([] if result.stored else [path]))
         log.info("disk tier %s: %d entries, %d bytes", self.directory, self._index.num_entries, self._index.num_bytes)
 
 
 def _path_of(entry: Entry[DiskRef]) -> str:
     assert isinstance(entry.state, DiskRef)
     return entry.state.path
-
-
-def _remove(paths: Sequence[str]) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -112,3 +112,67 @@ def test_flush_forgets_entries_in_use_and_running_sessions_insert_nothing(tmp_pa
     core.cache.check_integrity()
     core.disk.check_integrity()
     core.disk.close()
+
+
+def test_a_read_only_cache_dir_is_counted_in_metrics_and_never_delays_shutdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QA: on a read-only --cache-dir (EROFS) the first failed write killed the writer thread; then
+    queued states piled up (RSS grew past --cache-max-bytes), nothing counted the failures, and
+    SIGTERM waited 30 s for writes that could never land. Now requests are served as before, the
+    failures reach /metrics and nothing is left queued. The read-only mount is simulated: tests may
+    run as root (tests/cache/test_cache_disk_failures.py has the tier's own cases)."""
+    import asyncio
+    import builtins
+    import errno
+    import os
+    import time
+    from typing import Any
+
+    from prefixserve.engine import AsyncEngine
+    from prefixserve.server.metrics import ServerMetrics
+
+    model, _ = load_embedded("int4")
+    core = make_core(tmp_path, {})
+    real_open, real_os_open, real_unlink = builtins.open, os.open, os.unlink
+
+    def erofs(path: Any) -> None:
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    def open_(file: Any, mode: str = "r", *a: Any, **k: Any) -> Any:
+        if "w" in mode:
+            erofs(file)
+        return real_open(file, mode, *a, **k)
+
+    def os_open(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_CREAT):
+            erofs(path)
+        return real_os_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **k: (erofs(p), real_unlink(p, *a, **k))[1])
+    engine = AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
+    prompts = [model.tokenizer.render_chat([{"role": "user", "content": f"Count to {n}, one number a line."}])
+               for n in (3, 4, 5)]
+
+    async def go() -> tuple[list[Delta], dict[str, float], str, float]:
+        deltas = []
+        for i, p in enumerate(prompts):
+            req = Request(f"ro{i}", NS, tuple(p), SamplingParams(max_tokens=4, temperature=0.0))
+            deltas += [d async for d in engine.generate(req)]
+        assert core.disk is not None and core.disk.wait_idle(5)
+        metrics = engine.metrics()
+        text = ServerMetrics(engine).render().decode()
+        t0 = time.monotonic()
+        await engine.shutdown()
+        return deltas, metrics, text, time.monotonic() - t0
+
+    deltas, m, text, shutdown_s = asyncio.run(go())
+    assert sum(d.finish_reason is not None for d in deltas) == 3
+    assert m["cache_disk_write_failures"] >= 1 and m["cache_disk_writes"] == 0
+    assert m["cache_disk_pending_writes"] == 0 and m["cache_disk_writable"] == 0
+    assert "prefixserve_engine_cache_disk_write_failures" in text
+    assert "prefixserve_engine_cache_disk_writable 0.0" in text
+    assert shutdown_s < 5
