@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import hashlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from prefixserve.engine import control
+from prefixserve.engine import control, metrics_snapshot
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
 from prefixserve.engine.session import kv_bytes_needed
@@ -33,7 +34,6 @@ from prefixserve.types import (
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
-METRICS_WAIT_S = 2.0  # /metrics waits this long for the engine to finish its step, then serves the last view
 MAX_FAILED_STEPS = 3  # failed steps in a row (no progress) after which every request is failed
 
 
@@ -68,10 +68,10 @@ class AsyncEngine:
         self._stop = False
         self._last_failure: str | None = None  # the last failed step (its requests failed; serving went on)
         self._dead: str | None = None  # why the engine loop cannot continue; then every request ends at once
-        # held by the engine thread while it touches the core (inbox work, a step); /metrics takes it to
-        # read the cache and counters between steps, never while the engine thread mutates them
+        # held by the engine thread while it touches the core (inbox work, a step); never taken by a
+        # reader: /metrics reads the snapshot published at the end of each (engine/metrics_snapshot.py)
         self._core_lock = threading.Lock()
-        self._metrics: dict[str, float] = {}
+        self._snapshot = metrics_snapshot.take(core)
         core.emit = self._emit
         self._thread = thread or TorchThread()
         self._thread.run_last(self._run)
@@ -170,53 +170,17 @@ class AsyncEngine:
         return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:
-        """Read between two steps, under the engine's lock (the engine thread mutates the cache and
-        counters only while it holds it). If a step runs longer than METRICS_WAIT_S, the last view."""
-        if self._core_lock.acquire(timeout=METRICS_WAIT_S):
-            try:
-                self._metrics = self._collect_metrics()
-            finally:
-                self._core_lock.release()
-        return dict(self._metrics)
+        """The figures the engine thread published after its last locked section (never waits for a
+        step: a prefill step holds the lock for seconds); the peak, oldest wait and tiers read live."""
+        return metrics_snapshot.read(self.core, self._snapshot, self._peak)
 
-    def _collect_metrics(self) -> dict[str, float]:
-        st = self.core.cache.stats()
-        c = self.core.counters
-        lookups = st.num_lookups or 0
-        hits = st.num_full_hits + st.num_partial_hits
-        return {
-            "cache_bytes": float(self.core.cache.num_bytes),
-            "cache_max_bytes": float(self.core.cache.config.max_bytes),
-            "cache_entries": float(self.core.cache.num_entries),
-            "cache_lookups": float(lookups),
-            "cache_full_hits": float(st.num_full_hits),
-            "cache_partial_hits": float(st.num_partial_hits),
-            "cache_misses": float(st.num_misses),
-            "cache_hit_ratio": float(hits / lookups) if lookups else 0.0,
-            "cache_insertions": float(st.num_insertions),
-            "cache_evictions": float(st.num_evictions),
-            "cache_evicted_bytes": float(st.num_evicted_bytes),
-            "cache_rejected_too_large": float(st.num_rejected_too_large),
-            "requests": float(c.num_requests),
-            "prompt_tokens": float(c.num_prompt_tokens),
-            "cached_tokens": float(c.num_cached_tokens),
-            "computed_prompt_tokens": float(c.num_computed_prompt_tokens),
-            "completion_tokens": float(c.num_completion_tokens),
-            "running": float(self.core.num_running()),
-            "waiting": float(self.core.num_waiting()),
-            "peak_requests": float(self._peak),  # most requests running + waiting at once since start
-            "exact_reuse": 1.0 if self.core.exact_reuse else 0.0,
-            "reserved_session_bytes": float(self.core._reserved_bytes),
-            "max_session_bytes": float(self.core.config.max_session_bytes),
-            "oldest_wait_seconds": time.monotonic() - self.core.waiting[0].arrival if self.core.waiting else 0.0,
-            # per tier (docs/cache.md): RAM's figures under their tier name, then the disk tier's
-            "cache_ram_hits": float(hits),
-            "cache_ram_bytes": float(self.core.cache.num_bytes),
-            "cache_ram_evictions": float(st.num_evictions),
-            "cache_ram_flushed": float(st.num_flushed),
-            **({f"cache_{k}": v for k, v in self.core.disk.stats().items()} if self.core.disk is not None else {}),
-            **({f"cache_{k}": v for k, v in self.core.shared.stats().items()} if self.core.shared is not None else {}),
-        }
+    def _publish(self) -> None:
+        """On the engine thread, between mutations: replace the snapshot /metrics reads. A failure
+        keeps the last one (a metrics bug must not stop the engine)."""
+        try:
+            self._snapshot = metrics_snapshot.take(self.core)
+        except Exception:
+            log.exception("publishing the engine's metrics failed")
 
     def _stop_at_exit(self) -> None:
         self._stop = True
@@ -250,7 +214,19 @@ class AsyncEngine:
         self._wake.set()
 
     def _emit(self, request_id: str, delta: Delta) -> None:
+        if delta.finish_reason is not None:  # a client that saw its request end finds it in /metrics
+            self._publish()
         self._streams.emit(request_id, delta)
+
+    @contextlib.contextmanager
+    def _mutating(self) -> Iterator[None]:
+        """The engine thread's hold on the core: its lock, and the snapshot /metrics reads republished
+        before it is let go (also when the work raised)."""
+        with self._core_lock:
+            try:
+                yield
+            finally:
+                self._publish()
 
     def _run(self) -> None:
         """The engine loop. A failed step fails only the requests it concerns (EngineCore.
@@ -260,7 +236,8 @@ class AsyncEngine:
         try:
             while not self._stop:
                 with self._core_lock:
-                    self._drain_inbox()
+                    if self._drain_inbox():
+                        self._publish()
                     idle = not self.core.has_work()
                 if idle:
                     if self._background():
@@ -269,7 +246,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    with self._core_lock:
+                    with self._mutating():
                         self.core.step()
                     failed_in_a_row = 0
                 except Exception as e:  # a bug or OOM in one batch: isolate it, keep serving the rest
@@ -277,7 +254,7 @@ class AsyncEngine:
                     message = f"{type(e).__name__}: {e}"
                     log.exception("engine step failed")
                     self._last_failure = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}"
-                    with self._core_lock:
+                    with self._mutating():
                         if failed_in_a_row >= MAX_FAILED_STEPS:
                             self.core.abort_all(FinishReason.ERROR, error=message)
                             failed_in_a_row = 0
@@ -291,11 +268,11 @@ class AsyncEngine:
         """One layer of background work while no request waits (engine/refill.py); False when there is
         none. A failure drops the background work (a cache optimisation) and serving goes on."""
         try:
-            with self._core_lock:
+            with self._mutating():
                 return self.core.background()
         except Exception:
             log.exception("a turn refill failed; pending refills dropped")
-            with self._core_lock:
+            with self._mutating():
                 self.core.refills.drop(lambda ns: True)
             return False
 
@@ -308,12 +285,15 @@ class AsyncEngine:
             self._emit(rid, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
                                   error=f"the engine stopped: {message}"))
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Take in what callers handed over; False when there was nothing."""
+        drained = False
         while True:
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained = True
             if kind == "add":
                 try:
                     with self._queued_lock:
@@ -335,6 +315,10 @@ class AsyncEngine:
             elif kind == "call":  # a function to run on this thread, its result to a Future
                 fn, fut = arg
                 try:
-                    fut.set_result(fn())
+                    result = fn()
                 except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+                    self._publish()
                     fut.set_exception(e)
+                else:
+                    self._publish()  # e.g. a flush: its caller's next scrape sees the cache without it
+                    fut.set_result(result)

@@ -90,7 +90,7 @@ def create_app(
     # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        h = engine.health()
+        h = engine.health()  # on the loop: AsyncEngine.health takes no lock, cheaper than a thread hop
         body = {
             "status": "ok" if h.ok else "unhealthy",
             "ok": h.ok,
@@ -110,7 +110,9 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # off the event loop: the collectors read the engine and its tiers, and an engine that waited
+        # there (a lock held through a prefill step) stalled every request and stream on the server
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
