@@ -81,7 +81,7 @@ CASES: list[Bad] = [
     cmpl("max_tokens-float", max_tokens=2.5, param="max_tokens"),
     cmpl("max_tokens-bool", max_tokens=True, param="max_tokens"),
     cmpl("max_tokens-huge", max_tokens=10**30, param="max_tokens"),
-    chat("max_completion_tokens-negative", max_completion_tokens=-3, param="max_tokens"),
+    chat("max_completion_tokens-negative", max_completion_tokens=-3, param="max_completion_tokens"),
     chat("temperature-negative", temperature=-1, param="temperature"),
     chat("temperature-string", temperature="hot", param="temperature"),
     chat("temperature-too-high", temperature=7.5, param="temperature"),
