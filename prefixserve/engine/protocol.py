@@ -110,7 +110,8 @@ class EngineClient(Protocol):
     def health(self) -> EngineHealth: ...
 
     def metrics(self) -> dict[str, float]:
-        """Aggregate counters and gauges (no tenant labels): cache_bytes, cache_entries, evictions, ..."""
+        """Aggregate counters and gauges (no tenant labels): cache_bytes, cache_entries, evictions, ...
+        Never waits for a step (the event loop and /metrics scrapes call it)."""
         ...
 
     async def flush_cache(self, scope: FlushScope) -> FlushReport:
