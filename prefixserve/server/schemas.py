@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from prefixserve.server.errors import bad_request, validation_error
+from prefixserve.server.errors import bad_request, format_loc, validation_error
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -165,7 +165,8 @@ class DetokenizeRequest(BaseModel):
 
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Bytes of a request body -> a validated model. Raises APIError(400) for invalid UTF-8, malformed
-    JSON, a non-object body and type errors (the first, with its field as `param`)."""
+    JSON (a lone surrogate's `\\u` escape named with its field), a non-object body and type errors (the
+    first, with its field as `param`)."""
     if len(raw) > MAX_BODY_BYTES:
         raise bad_request(f"the request body exceeds {MAX_BODY_BYTES} bytes")
     try:
@@ -187,4 +188,36 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate_json(text)
     except ValidationError as e:
-        raise validation_error(list(e.errors())) from None
+        errors = list(e.errors())
+        # json.loads took the body, pydantic's parser did not: a \ud800-style escape of half a UTF-16
+        # pair, which its message calls "unexpected end of hex escape"
+        found = _lone_surrogate(data) if errors and errors[0].get("type") == "json_invalid" else None
+        if found is not None:
+            param, code = found
+            raise bad_request(f"{param + ': ' if param else ''}the string contains an invalid \\u escape: "
+                              f"\\u{code:04x} is a lone surrogate (half of a UTF-16 pair), not a character",
+                              param) from None
+        raise validation_error(errors) from None
+
+
+def _lone_surrogate(data: Any) -> tuple[str | None, int] | None:
+    """(where, code point) of the first string in parsed JSON `data` (a key: where its object is) that
+    holds a lone surrogate, which a `\\u` escape can write but UTF-8 cannot hold; None if none does."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:  # not recursive: json.loads takes nesting deeper than Python's stack
+        loc, value = stack.pop()
+        if isinstance(value, str):
+            texts, children = [value], []
+        elif isinstance(value, dict):
+            texts, children = list(value), list(value.items())
+        elif isinstance(value, list):
+            texts, children = [], list(enumerate(value))
+        else:
+            continue
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return format_loc(loc), ord(text[e.start])
+        stack.extend((loc + (k,), v) for k, v in reversed(children))
+    return None

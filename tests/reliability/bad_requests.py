@@ -54,7 +54,7 @@ CASES: list[Bad] = [
     Bad("body-null", CMPL, b"null"),
     Bad("body-number", CMPL, b"42"),
     Bad("body-invalid-utf8", CMPL, b'{"prompt": "\xff\xfe\xc3(", "max_tokens": 1}'),
-    Bad("body-lone-surrogate", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 1}'),
+    Bad("body-lone-surrogate", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 1}', param="prompt"),
     Bad("body-nested-too-deep", CHAT, b"[" * 100_000),
     Bad("body-nan-literal", CMPL, b'{"prompt": "hi", "temperature": NaN}', param="temperature"),
     Bad("body-over-16MiB", CMPL, b'{"prompt": "' + b"a" * (17 << 20) + b'"}', status=413),

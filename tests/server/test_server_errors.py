@@ -22,7 +22,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (C, b'{"prompt": "\xff\xfe"}', 400, None),  # invalid UTF-8
     (C, b"", 400, None),
     (C, b"[1, 2]", 400, None),
-    (C, b'{"prompt": "a\\ud800"}', 400, None),  # lone surrogate
+    (C, b'{"prompt": "a\\ud800"}', 400, "prompt"),  # lone surrogate
     (C, {"max_tokens": 3}, 400, "prompt"),
     (C, {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": []}, 400, "prompt"),
@@ -187,6 +187,20 @@ def test_a_streaming_bad_request_is_still_a_plain_400(client: TestClient) -> Non
     r = client.post(C, json={"prompt": "p", "stream": True, "n": 0}, headers=auth())
     check_error(r, 400, "n")
     assert r.headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content", "\\ud800"),
+    (b'{"messages": [{"role": "user", "content": "ok \\ud83d\\ude00 \\udc00"}]}', "messages[0].content", "\\udc00"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"\\udfff": 1}}', "metadata", "\\udfff"),
+])
+def test_a_lone_surrogate_escape_is_named_as_one(client: TestClient, body: bytes, param: str, code: str) -> None:
+    """JSON can write half a UTF-16 pair as a \\u escape; pydantic's parser then says "unexpected end
+    of hex escape": the 400 says what is wrong, and where."""
+    r = _post(client, CH, body)
+    check_error(r, 400, param)
+    assert r.json()["error"]["message"] == (f"{param}: the string contains an invalid \\u escape: {code} is a "
+                                            "lone surrogate (half of a UTF-16 pair), not a character")
 
 
 def test_oversized_body_is_413(client: TestClient) -> None:
