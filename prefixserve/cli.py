@@ -11,7 +11,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from prefixserve.server.run import add_serve_args, run_serve
+    from prefixserve.server.run import run_serve
+    from prefixserve.server.settings import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible server"))
 

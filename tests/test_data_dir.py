@@ -50,7 +50,7 @@ def test_serve_puts_the_disk_tier_and_the_ledger_in_the_data_dir(
     import prefixserve.engine
     from prefixserve.config import CacheConfig
     from prefixserve.models import ModelLoadError
-    from prefixserve.server import run
+    from prefixserve.server import run, settings
 
     seen: list[CacheConfig] = []
 
@@ -68,7 +68,7 @@ def test_serve_puts_the_disk_tier_and_the_ledger_in_the_data_dir(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     parser = argparse.ArgumentParser()
-    run.add_serve_args(parser)
+    settings.add_serve_args(parser)
     argv = ["--port", str(port), "--cache-disk-bytes", "1G", *(["--data-dir", str(data)] if flag else [])]
     handler = signal.getsignal(signal.SIGTERM)
     try:

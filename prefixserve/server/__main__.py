@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prefixserve.server.run import add_serve_args, run_serve
+from prefixserve.server.run import run_serve
+from prefixserve.server.settings import add_serve_args
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(

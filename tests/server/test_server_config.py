@@ -1,16 +1,18 @@
-"""Key specs, key files, tenant ids, and `serve` flag / environment resolution."""
+"""Key specs, key files, tenant ids, `serve` flag / environment resolution, and start-up's configuration
+errors (one line naming the flag and the path, exit status 2, before any model loads)."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixserve.server import run
+from prefixserve.server import run, settings
 from prefixserve.server.auth import OPEN_TENANT_ID, KeyStore, bearer_token, parse_key_spec, read_keys_file
 from prefixserve.server.errors import APIError
 
@@ -71,18 +73,18 @@ def test_bearer_token() -> None:
 
 
 def test_parse_bytes() -> None:
-    assert run.parse_bytes("0") == 0
-    assert run.parse_bytes("1234") == 1234
-    assert run.parse_bytes("512M") == 512 << 20
-    assert run.parse_bytes("2GiB") == 2 << 30
-    assert run.parse_bytes("1.5k") == 1536
+    assert settings.parse_bytes("0") == 0
+    assert settings.parse_bytes("1234") == 1234
+    assert settings.parse_bytes("512M") == 512 << 20
+    assert settings.parse_bytes("2GiB") == 2 << 30
+    assert settings.parse_bytes("1.5k") == 1536
     with pytest.raises(argparse.ArgumentTypeError):
-        run.parse_bytes("lots")
+        settings.parse_bytes("lots")
 
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    run.add_serve_args(parser)
+    settings.add_serve_args(parser)
     return parser.parse_args(list(argv))
 
 
@@ -93,24 +95,24 @@ def test_flags_beat_environment_beat_defaults() -> None:
         "PREFIXSERVE_NO_LEDGER": "1",
     }
     args = _args("--port", "9100", "--dtype", "fp32", "--api-key", "alice sk-1", "--api-key", "sk-2")
-    assert run._resolve(args, "port", env) == 9100
-    assert run._resolve(args, "cache_max_bytes", env) == 1 << 30
-    assert run._resolve(args, "no_ledger", env) is True
-    assert run._resolve(args, "dtype", env) == "fp32"
-    assert run._resolve(args, "host", env) == "127.0.0.1"
-    assert run._resolve(args, "data_dir", env) is None  # resolved by config.default_data_dir
+    assert settings.resolve(args, "port", env) == 9100
+    assert settings.resolve(args, "cache_max_bytes", env) == 1 << 30
+    assert settings.resolve(args, "no_ledger", env) is True
+    assert settings.resolve(args, "dtype", env) == "fp32"
+    assert settings.resolve(args, "host", env) == "127.0.0.1"
+    assert settings.resolve(args, "data_dir", env) is None  # resolved by config.default_data_dir
     for flag, dest in (("--max-session-bytes", "max_session_bytes"), ("--cache-max-bytes", "cache_max_bytes")):
-        assert run._resolve(_args(flag, "2G"), dest, {}) == 2 << 30  # a byte size on the command line too
+        assert settings.resolve(_args(flag, "2G"), dest, {}) == 2 << 30  # a byte size on the command line too
     assert args.api_keys == ["alice sk-1", "sk-2"]
-    assert run._resolve(_args("--no-ledger"), "no_ledger", {}) is True
-    assert run._resolve(_args(), "no_ledger", {}) is False
-    assert run._resolve(_args("--no-model-cache"), "no_model_cache", {}) is True
-    assert run._resolve(_args(), "no_model_cache", {"PREFIXSERVE_NO_MODEL_CACHE": "1"}) is True
-    assert run._resolve(_args("--model-cache-dir", "/m"), "model_cache_dir", {"PREFIXSERVE_MODEL_CACHE_DIR": "/e"}) == "/m"
-    assert run._resolve(_args(), "model_cache_dir", {}) is None  # resolved by config.default_model_cache_dir
-    assert run._split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
-    with pytest.raises(SystemExit):
-        run._resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
+    assert settings.resolve(_args("--no-ledger"), "no_ledger", {}) is True
+    assert settings.resolve(_args(), "no_ledger", {}) is False
+    assert settings.resolve(_args("--no-model-cache"), "no_model_cache", {}) is True
+    assert settings.resolve(_args(), "no_model_cache", {"PREFIXSERVE_NO_MODEL_CACHE": "1"}) is True
+    assert settings.resolve(_args("--model-cache-dir", "/m"), "model_cache_dir", {"PREFIXSERVE_MODEL_CACHE_DIR": "/e"}) == "/m"
+    assert settings.resolve(_args(), "model_cache_dir", {}) is None  # resolved by config.default_model_cache_dir
+    assert settings.split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
+    with pytest.raises(ValueError, match="PREFIXSERVE_PORT='eighty'"):
+        settings.resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
 
 
 def test_bad_configuration_exits_2_before_loading_a_model(tmp_path: Path, capsys: Any) -> None:
@@ -153,3 +155,67 @@ def test_a_queue_of_zero_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="max_queued_requests"):
         EngineConfig(max_queued_requests=0)
     assert EngineConfig(max_queued_requests=1).max_queued_requests == 1
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up must stop before the model loads (and before the port is bound)."""
+    import prefixserve.engine
+
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded although the configuration is bad")
+
+    monkeypatch.setattr(prefixserve.engine, "build_engine", no_load)
+    for name in ("PREFIXSERVE_DATA_DIR", "PREFIXSERVE_LEDGER_PATH", "PREFIXSERVE_CACHE_DIR", "PREFIXSERVE_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _one_error_line(capsys: Any) -> str:
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1 and err.startswith("prefixserve serve: "), repr(err)
+    return err
+
+
+def test_unusable_paths_are_one_line_naming_the_flag_and_the_path(
+    tmp_path: Path, capsys: Any, no_model: None
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    data = ["--data-dir", str(tmp_path / "data")]
+    cases = [  # argv, what the line must say
+        (["--ledger-path", str(tmp_path)], [f"--ledger-path {tmp_path}", "is a directory"]),
+        (["--ledger-path", str(a_file / "usage.sqlite3")], ["--ledger-path", str(a_file), "not a directory"]),
+        (["--api-keys-file", str(tmp_path), "--no-ledger"], [f"--api-keys-file {tmp_path}", "Is a directory"]),
+        (["--api-keys-file", str(tmp_path / "missing"), "--no-ledger"], ["--api-keys-file", "No such file"]),
+        (["--cache-dir", str(a_file), "--cache-disk-bytes", "1G", "--no-ledger"], [f"--cache-dir {a_file}",
+                                                                                  "not a directory"]),
+        (["--data-dir", str(a_file)], [f"--data-dir {a_file}", "not a directory"]),
+    ]
+    for argv, says in cases:
+        assert run.run_serve(_args(*(data if "--data-dir" not in argv else []), *argv)) == 2, argv
+        line = _one_error_line(capsys)
+        assert all(part in line for part in says), (argv, line)
+    bad_line = tmp_path / "keys"
+    bad_line.write_text("a b c\n")
+    assert run.run_serve(_args(*data, "--api-keys-file", str(bad_line), "--no-ledger")) == 2
+    assert f"--api-keys-file {bad_line}:1:" in _one_error_line(capsys)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_ledger_directory_is_named(tmp_path: Path, capsys: Any, no_model: None) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for argv, flag in ((["--ledger-path", str(locked / "usage.sqlite3")], "--ledger-path"),
+                       (["--data-dir", str(locked)], "--data-dir"),
+                       (["--ledger-path", str(locked / "sub" / "usage.sqlite3")], "--ledger-path")):
+        assert run.run_serve(_args(*argv)) == 2
+        line = _one_error_line(capsys)
+        assert flag in line and str(locked) in line and ("not writable" in line or "Permission denied" in line), line
+
+
+def test_a_bad_environment_value_is_a_configuration_error(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, no_model: None
+) -> None:
+    monkeypatch.setenv("PREFIXSERVE_MAX_NUM_SEQS", "many")
+    assert run.run_serve(_args("--data-dir", str(tmp_path), "--no-ledger")) == 2
+    assert "PREFIXSERVE_MAX_NUM_SEQS='many'" in _one_error_line(capsys)
