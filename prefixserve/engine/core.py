@@ -262,11 +262,12 @@ class EngineCore:
         if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
             self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            need = kv_bytes_needed(self.waiting[0].request, self.max_model_len, self.runner.kv_bytes_per_token())
+            s = self.waiting[0]  # back from a lower tier's load, it holds its reservation already
+            need = kv_bytes_needed(s.request, self.max_model_len, self.runner.kv_bytes_per_token()) - s.reserved_bytes
             if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
                 break  # waits until running sessions finish and free their share
-            s = self.waiting.popleft()
-            s.reserved_bytes = need
+            self.waiting.popleft()
+            s.reserved_bytes += need
             self._reserved_bytes += need
             if self._reuses(s.request) and self.loads.park(s):
                 continue

@@ -72,6 +72,7 @@ def test_restart_serves_from_disk_without_blocking_other_sessions(tmp_path: Path
     tokens, usage = result(out, warm)
     assert tokens == ref_tokens and usage.cached_tokens == len(p)  # the whole prompt from disk
     assert core.disk.stats()["disk_loads"] == 1
+    assert core._reserved_bytes == 0  # the parked session's reservation was taken once, and freed
     core.cache.check_integrity()
     core.disk.check_integrity()
     core.disk.close()
