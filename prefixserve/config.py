@@ -12,6 +12,28 @@ DECODE_KERNELS = ("auto", "dense", "int4")
 # a chat request at temperature 1 can run until the context fills (7,735 tokens, 378 s, measured on 2
 # cores). 1,024 covers a long answer; ask for more explicitly.
 DEFAULT_MAX_TOKENS = 1024
+# The least KV `--max-session-bytes` must hold, in tokens of the model loaded: one short chat turn with
+# the embedded model's template (its default system prompt and a one-line question) is ~40 tokens,
+# plus a short reply. A smaller budget started, said ok on /health, and refused every request (400).
+MIN_SESSION_TOKENS = 64
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work with the model loaded: found when the engine is built, since the
+    settings alone cannot tell. For `prefixserve serve` a configuration error, as a bad flag is."""
+
+
+def session_tokens(max_session_bytes: int, kv_bytes_per_token: int) -> int:
+    """The most tokens of KV (prompt + max_tokens) one session may reserve under `max_session_bytes`.
+    Raises ConfigError, naming the flag, below MIN_SESSION_TOKENS."""
+    num_tokens = max_session_bytes // kv_bytes_per_token
+    if num_tokens < MIN_SESSION_TOKENS:
+        raise ConfigError(
+            f"--max-session-bytes {max_session_bytes:,} holds {num_tokens} tokens of this model's KV "
+            f"({kv_bytes_per_token:,} bytes a token), fewer than the {MIN_SESSION_TOKENS} a small request needs: "
+            f"give at least {MIN_SESSION_TOKENS * kv_bytes_per_token:,}"
+        )
+    return num_tokens
 
 
 @dataclass(frozen=True, slots=True)

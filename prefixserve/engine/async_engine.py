@@ -49,6 +49,7 @@ class AsyncEngine:
         self.core = core
         self.model_id = model_id
         self.max_model_len = core.max_model_len
+        self.max_session_tokens = core.max_session_tokens
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._selftest_detail = selftest_detail
@@ -128,8 +129,13 @@ class AsyncEngine:
                 f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
                 "(including at least one generated token)"
             )
-        need = kv_bytes_needed(request, self.core.max_model_len, self.core.runner.kv_bytes_per_token())
         budget = self.core.config.max_session_bytes
+        if n + 1 > self.max_session_tokens:  # budget-bound: the context's bound was checked above
+            raise InvalidRequest(
+                f"the prompt alone ({n} tokens) exceeds the server's session budget: {budget:,} bytes hold "
+                f"{self.max_session_tokens} tokens of KV, including at least one generated token; shorten the prompt"
+            )
+        need = self._kv_bytes(request)
         if need > budget:
             raise InvalidRequest(
                 f"the prompt plus max_tokens needs {need:,} bytes of KV, more than the server's session "
@@ -208,6 +214,10 @@ class AsyncEngine:
     def _num_waiting(self) -> int:
         """Requests waiting for a session: the core's queue and those not yet taken from the inbox."""
         return self.core.num_waiting() + self._queued
+
+    def _kv_bytes(self, request: Request) -> int:
+        """The KV bytes admission will reserve for `request` against --max-session-bytes."""
+        return kv_bytes_needed(request, self.core.max_model_len, self.core.runner.kv_bytes_per_token())
 
     def _submit(self, kind: str, arg: Any) -> None:
         self._inbox.put((kind, arg))

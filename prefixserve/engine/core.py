@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
 from prefixserve.cache.shared import SharedTier
-from prefixserve.config import EngineConfig
+from prefixserve.config import EngineConfig, session_tokens
 from prefixserve.engine import control, inserts, outputs
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.disk_loads import DiskLoads
@@ -82,6 +82,8 @@ class EngineCore:
         self.cache = cache
         self.config = config
         self.max_model_len = max_model_len
+        # the most tokens one session may reserve (prompt + max_tokens); a budget below a small request's is refused
+        self.max_session_tokens = min(max_model_len, session_tokens(config.max_session_bytes, runner.kv_bytes_per_token()))
         self.emit = emit
         self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
         self.waiting: deque[Session] = deque()

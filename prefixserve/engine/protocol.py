@@ -90,6 +90,9 @@ class TokenizerLike(Protocol):
 class EngineClient(Protocol):
     model_id: str  # the served model name, also the cache namespace's model_id
     max_model_len: int
+    # the most tokens (prompt + max_tokens) one request may reserve: --max-session-bytes over the KV bytes
+    # of a token, at most max_model_len; a request without max_tokens gets its default fitted into it too
+    max_session_tokens: int
     vocab_size: int  # token ids outside [0, vocab_size) are refused before they reach the engine
     tokenizer: TokenizerLike
 

@@ -1,7 +1,8 @@
 """Checks shared by both generation endpoints: model, salt, sampling fields, unsupported options.
 
 Each function either returns a clean value or raises APIError(400) naming the parameter. Nothing here
-touches the engine beyond reading `model_id`, `max_model_len` and the tokenizer's vocabulary size.
+touches the engine beyond reading `model_id`, `max_model_len`, `max_session_tokens` and the tokenizer's
+vocabulary size.
 """
 
 from __future__ import annotations
@@ -86,17 +87,21 @@ def sampling_params(
     body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int, prompt_len: int,
     vocab_size: int, num_logprobs: int | None = None, constraint: Constraint | None = None,
     prompt_logprobs: int | None = None, zero_tokens_ok: bool = False, max_tokens_name: str = "max_tokens",
+    *, max_session_tokens: int,
 ) -> SamplingParams:
     """The engine's SamplingParams for a prompt of `prompt_len` tokens (the longest, for several).
 
     A given max_tokens must fit beside the prompt: prompt + max_tokens beyond the context is a 400
-    `context_length_exceeded` (as OpenAI and vLLM answer), never a silent cut. Without one, the
-    server's `--default-max-tokens` applies, capped by the room the prompt leaves. `zero_tokens_ok`:
+    `context_length_exceeded` (as OpenAI and vLLM answer), never a silent cut; one beyond the session
+    budget the engine refuses (400). Without one, the server's `--default-max-tokens` applies, capped by
+    the room the prompt leaves in the context and in `max_session_tokens` (the engine's
+    `--max-session-bytes` in tokens), at least 1: a prompt that leaves no room at all
+    is then the engine's 400 naming the prompt alone. `zero_tokens_ok`:
     max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid.
     `max_tokens_name`: the field the client set it with (chat's max_completion_tokens), for errors."""
     room = max_model_len - prompt_len  # >= 1: the caller checked the prompt fits (check_fits)
     if max_tokens is None:
-        max_tokens = max(1, min(default_max_tokens, room))
+        max_tokens = max(1, min(default_max_tokens, room, max_session_tokens - prompt_len))
     elif max_tokens < (0 if zero_tokens_ok else 1):
         raise bad_request(f"{max_tokens_name} must be at least 1", max_tokens_name)
     elif max_tokens > room:

@@ -15,7 +15,14 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from prefixserve.engine.protocol import EngineHealth, FlushReport, PromptTooLong, TemplateError, TierFlush
+from prefixserve.engine.protocol import (
+    EngineHealth,
+    FlushReport,
+    InvalidRequest,
+    PromptTooLong,
+    TemplateError,
+    TierFlush,
+)
 from prefixserve.types import Delta, FinishReason, FlushScope, Namespace, Request, TokenLogprob, Usage
 
 OFFSET = 3
@@ -65,10 +72,12 @@ class FakeEngine:
     """Implements prefixserve.engine.protocol.EngineClient. `token_delay` seconds between deltas."""
 
     def __init__(
-        self, model_id: str = "fake-model", max_model_len: int = 512, token_delay: float = 0.0
+        self, model_id: str = "fake-model", max_model_len: int = 512, token_delay: float = 0.0,
+        max_session_tokens: int | None = None,
     ) -> None:
         self.model_id = model_id
         self.max_model_len = max_model_len
+        self.max_session_tokens = max_model_len if max_session_tokens is None else max_session_tokens
         self.tokenizer = FakeTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         self.token_delay = token_delay
@@ -85,6 +94,8 @@ class FakeEngine:
         ids = request.prompt_ids
         if len(ids) + 1 > self.max_model_len:
             raise PromptTooLong(f"prompt of {len(ids)} tokens does not fit {self.max_model_len}")
+        if len(ids) + request.sampling.max_tokens > self.max_session_tokens:  # as AsyncEngine.validate
+            raise InvalidRequest(f"{len(ids)} + {request.sampling.max_tokens} tokens exceed the session budget")
         self.requests.append(request)
         events = self.events.setdefault(request.request_id, [])
         events.append("started")

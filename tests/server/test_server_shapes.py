@@ -183,6 +183,28 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400(client: TestClient, en
     assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": fits}, headers=auth()).status_code == 200
 
 
+def test_a_default_max_tokens_is_fitted_into_the_session_budget(make_client: Any) -> None:
+    """--max-session-bytes caps prompt + max_tokens (the engine's max_session_tokens, here 300 of the
+    512-token context). QA: with a small budget, a request that named no max_tokens got the 1,024
+    default and a 400 saying to lower max_tokens. Now the default fits into what the budget leaves,
+    as it does into the context, on every endpoint; a max_tokens the client names is still refused."""
+    eng = FakeEngine(max_session_tokens=300)
+    client = make_client(eng=eng)
+    body = chat_body()
+    del body["max_tokens"]
+    assert client.post("/v1/chat/completions", json=body, headers=auth()).status_code == 200
+    assert eng.requests[-1].sampling.max_tokens == 300 - len(eng.requests[-1].prompt_ids)
+    assert client.post("/v1/responses", json={"input": "hi"}, headers=auth()).status_code == 200
+    assert eng.requests[-1].sampling.max_tokens == 300 - len(eng.requests[-1].prompt_ids)
+    r = client.post("/v1/completions", json={"prompt": "x" * 290}, headers=auth())  # OpenAI's 16, unless less is left
+    assert r.status_code == 200 and eng.requests[-1].sampling.max_tokens == 10
+    num_sent = len(eng.requests)
+    r = client.post("/v1/completions", json={"prompt": "x" * 290, "max_tokens": 11}, headers=auth())
+    assert r.status_code == 400 and "session budget" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "x" * 300}, headers=auth())  # the prompt alone: no room
+    assert r.status_code == 400 and len(eng.requests) == num_sent
+
+
 def test_chat_messages_parts_tools_and_roles(client: TestClient, engine: FakeEngine) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [
