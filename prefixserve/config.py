@@ -113,7 +113,9 @@ class EngineConfig:
     max_batch_tokens: int = 256  # token budget of one engine step (decode rows + prefill chunks)
     max_num_seqs: int = 64  # sessions running at once; the rest wait
     offer_finished_turns: bool = True  # cache prompt + reply so the next chat turn hits
-    max_queued_requests: int = 256  # requests waiting for admission; past it new ones get 429
+    # requests waiting beyond the free room (a session slot and session bytes at the next step: engine/
+    # admission.py); past it new ones get 429
+    max_queued_requests: int = 256
     max_session_bytes: int = 4 << 30  # KV of all running sessions together; admission waits past it
 
     def __post_init__(self) -> None:

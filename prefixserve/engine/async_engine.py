@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from prefixserve.engine import control, metrics_snapshot
+from prefixserve.engine import admission, control, metrics_snapshot
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
 from prefixserve.engine.session import kv_bytes_needed
@@ -25,7 +25,6 @@ from prefixserve.types import (
     FinishReason,
     FlushScope,
     InvalidRequest,
-    Overloaded,
     PromptTooLong,
     Request,
     Unavailable,
@@ -55,14 +54,8 @@ class AsyncEngine:
         self._selftest_detail = selftest_detail
         self._model_source = model_source  # the weights' path (fingerprinted), "" when not known
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        # requests in the inbox, not yet taken into the core (between two steps): they wait in the
-        # engine as much as the core's queue does, for /health, /metrics and the queue bound
-        self._queued = 0
-        self._queued_lock = threading.Lock()
-        # the most requests the engine held at once (running + waiting), since start: taken at each
-        # submission, the only moment the count grows; under the lock a drained request is counted
-        # exactly once (the core's queue or the inbox)
-        self._peak = 0
+        # the inbox's requests and the core's room: what waits, what is queued (engine/admission.py)
+        self._admission = admission.AdmissionQueue(admission.room(core))
         self._wake = threading.Event()
         self._streams = Streams()
         self._accepting = True
@@ -88,14 +81,13 @@ class AsyncEngine:
             raise Unavailable(f"the engine has stopped: {self._dead}")
         if not self._accepting:
             raise Unavailable("the server is shutting down")
-        limit = self.core.config.max_queued_requests
-        if self._num_waiting() >= limit:
-            raise Overloaded(f"too many requests are waiting ({limit}); retry shortly", retry_after_s=2)
         rid = request.request_id
         q = self._streams.open(rid)
-        with self._queued_lock:
-            self._queued += 1
-            self._peak = max(self._peak, self.core.num_running() + self._num_waiting())
+        try:  # counted into the inbox, or Overloaded past --max-queued-requests
+            self._admission.submit(self._kv_bytes(request), self.core.config.max_queued_requests)
+        except BaseException:
+            self._streams.close(rid, q, 0, early=False)
+            raise
         self._submit("add", request)
         finished = False  # every choice finished, or the request failed
         num_left = request.num_choices
@@ -153,13 +145,15 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     def health(self) -> EngineHealth:
+        counts = self._admission.counts()
         return EngineHealth(
             ok=self._thread.is_alive() and self._dead is None,
             exact_reuse=self.core.exact_reuse,
             detail=self._selftest_detail + (f"; last failed step: {self._last_failure}" if self._last_failure else "")
             + (f"; ENGINE STOPPED: {self._dead}" if self._dead else ""),
             num_running=self.core.num_running(),
-            num_waiting=self._num_waiting(),
+            num_waiting=counts.num_waiting,
+            num_queued=counts.num_queued,
             decode_kernel=self.core.runner.decoder.decode_kernel,
             fingerprint=self.fingerprint(),
             dtype=str(self.core.runner.decoder.dtype).removeprefix("torch."),
@@ -177,14 +171,18 @@ class AsyncEngine:
 
     def metrics(self) -> dict[str, float]:
         """The figures the engine thread published after its last locked section (never waits for a
-        step: a prefill step holds the lock for seconds); the peak, oldest wait and tiers read live."""
-        return metrics_snapshot.read(self.core, self._snapshot, self._peak)
+        step: a prefill step holds the lock for seconds); the peak, oldest wait and tiers read live, and
+        the waiting and queued requests as /health counts them (engine/admission.py)."""
+        out = metrics_snapshot.read(self.core, self._snapshot, self._admission.peak)
+        counts = self._admission.counts()
+        return out | {"waiting": float(counts.num_waiting), "queued": float(counts.num_queued)}
 
     def _publish(self) -> None:
-        """On the engine thread, between mutations: replace the snapshot /metrics reads. A failure
-        keeps the last one (a metrics bug must not stop the engine)."""
+        """On the engine thread, between mutations: replace the snapshot /metrics reads and the room the
+        queue bound reads. A failure keeps the last ones (a metrics bug must not stop the engine)."""
         try:
             self._snapshot = metrics_snapshot.take(self.core)
+            self._admission.publish(admission.room(self.core))
         except Exception:
             log.exception("publishing the engine's metrics failed")
 
@@ -210,10 +208,6 @@ class AsyncEngine:
             await asyncio.to_thread(self.core.shared.close, 30.0)
 
     # ---- engine thread ------------------------------------------------------------------------
-
-    def _num_waiting(self) -> int:
-        """Requests waiting for a session: the core's queue and those not yet taken from the inbox."""
-        return self.core.num_waiting() + self._queued
 
     def _kv_bytes(self, request: Request) -> int:
         """The KV bytes admission will reserve for `request` against --max-session-bytes."""
@@ -305,12 +299,8 @@ class AsyncEngine:
                 return drained
             drained = True
             if kind == "add":
-                try:
-                    with self._queued_lock:
-                        try:
-                            self.core.add(arg)
-                        finally:
-                            self._queued -= 1
+                try:  # out of the inbox and into the core's queue as one change for the readers
+                    self._admission.take(self.core, arg)
                 except Exception as e:  # this request only: it cannot be queued
                     log.exception("could not queue request %s", arg.request_id)
                     self._emit(arg.request_id, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,

@@ -50,8 +50,7 @@ def take(core: EngineCore) -> MetricsSnapshot:
         "cached_tokens": float(c.num_cached_tokens),
         "computed_prompt_tokens": float(c.num_computed_prompt_tokens),
         "completion_tokens": float(c.num_completion_tokens),
-        "running": float(core.num_running()),
-        "waiting": float(core.num_waiting()),
+        "running": float(core.num_running()),  # waiting and queued: AsyncEngine.metrics (engine/admission.py)
         "exact_reuse": 1.0 if core.exact_reuse else 0.0,
         "reserved_session_bytes": float(core._reserved_bytes),
         "max_session_bytes": float(core.config.max_session_bytes),

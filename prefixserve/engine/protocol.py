@@ -29,8 +29,9 @@ class EngineHealth:
     ok: bool
     exact_reuse: bool  # the start-up self-test found the runtime batch/split invariant; else no reuse
     detail: str
-    num_running: int
-    num_waiting: int
+    num_running: int  # sessions running
+    num_waiting: int  # requests not started yet: in the engine's queue, or handed over and not yet taken in
+    num_queued: int = 0  # of those, the ones the next step could not start (no free slot or session bytes)
     decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/quant.py)
     fingerprint: str = ""  # responses' system_fingerprint: model, dtype, kernels, self-test verdict
     dtype: str = ""  # the runtime dtype the self-test chose ("bfloat16" / "float32")

@@ -101,7 +101,8 @@ def create_app(
             "tiles": h.tiles,
             "detail": h.detail,
             "running": h.num_running,
-            "waiting": h.num_waiting,
+            "waiting": h.num_waiting,  # not started yet; of those, queued: beyond the free room (docs/cache.md)
+            "queued": h.num_queued,
             "model": engine.model_id,
             "max_model_len": engine.max_model_len,
             "default_max_tokens": server_config.default_max_tokens,

@@ -44,6 +44,8 @@ _ENGINE_DOCS = {
     "computed_prompt_tokens": "Prompt tokens computed by prefill since start",
     "completion_tokens": "Tokens generated since start",
     "peak_requests": "Most requests running + waiting at once since start",
+    "waiting": "Requests not started yet (the engine's queue and inbox)",
+    "queued": "Waiting requests the next step cannot start; --max-queued-requests bounds them",
 }
 
 
@@ -161,7 +163,13 @@ class _EngineCollector(Collector):
             "prefixserve_num_requests_running", "Sessions running in the engine", value=health.num_running
         )
         yield GaugeMetricFamily(
-            "prefixserve_num_requests_waiting", "Requests waiting in the engine", value=health.num_waiting
+            "prefixserve_num_requests_waiting", "Requests not started yet (the engine's queue and inbox)",
+            value=health.num_waiting,
+        )
+        yield GaugeMetricFamily(
+            "prefixserve_num_requests_queued",
+            "Waiting requests the next step cannot start (no free session slot or session bytes); "
+            "--max-queued-requests bounds them", value=health.num_queued,
         )
         yield GaugeMetricFamily(
             "prefixserve_exact_reuse",

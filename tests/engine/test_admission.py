@@ -1,5 +1,5 @@
-"""The session budget in tokens (--max-session-bytes over the KV bytes of a token): a request's prompt
-alone beyond it, and a budget too small to start with."""
+"""What counts as queued for --max-queued-requests (engine/admission.py), and the session budget in
+tokens: a request's prompt alone beyond it, and a budget too small to start with."""
 
 from __future__ import annotations
 
@@ -11,10 +11,53 @@ import pytest
 from prefixserve.cache import PrefixCache
 from prefixserve.config import MIN_SESSION_TOKENS, CacheConfig, ConfigError, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
-from prefixserve.types import InvalidRequest, Namespace, Request, SamplingParams
+from prefixserve.engine.admission import AdmissionQueue, Counts, Room, num_queued
+from prefixserve.types import (
+    Delta,
+    FinishReason,
+    InvalidRequest,
+    Namespace,
+    Overloaded,
+    Request,
+    SamplingParams,
+)
 from tests.conftest import load_embedded
 
 NS = Namespace("smol", "t")
+
+
+# ---- the count, without a model ---------------------------------------------------------------
+
+
+def test_requests_that_free_slots_take_at_the_next_step_are_not_queued() -> None:
+    """The QA case: one session running, 63 slots free, 6 requests arriving during its step."""
+    assert num_queued(Room(num_running=1, num_free_slots=63, num_free_bytes=1 << 30), [100] * 6) == 0
+    assert num_queued(Room(num_running=1, num_free_slots=2, num_free_bytes=1 << 30), [100] * 6) == 4
+    assert num_queued(Room(num_running=64, num_free_slots=0, num_free_bytes=1 << 30), [100]) == 1
+
+
+def test_what_the_session_bytes_cannot_hold_is_queued_and_holds_up_the_rest() -> None:
+    """Admission goes in order and stops at the first request whose bytes do not fit (EngineCore._admit):
+    a small one behind it waits too. The core's own queue comes before the inbox."""
+    room = Room(num_running=1, num_free_slots=63, num_free_bytes=100, waiting_bytes=(60,))
+    assert num_queued(room, [30, 20, 5]) == 2  # 60 and 30 fit; 20 does not, and 5 waits behind it
+    # with nothing running the first request starts whatever its size; the next waits for it
+    assert num_queued(Room(num_running=0, num_free_slots=64, num_free_bytes=10), [100, 1]) == 1
+
+
+def test_the_bound_counts_only_the_queued_and_a_refusal_counts_nothing() -> None:
+    q = AdmissionQueue(Room(num_running=1, num_free_slots=1, num_free_bytes=1 << 30))
+    for _ in range(3):  # one takes the free slot, two are queued: the limit
+        q.submit(10, limit=2)
+    with pytest.raises(Overloaded) as refused:
+        q.submit(10, limit=2)
+    assert refused.value.retry_after_s == 2
+    assert q.counts() == Counts(num_waiting=3, num_queued=2) and q.peak == 4
+    q.publish(Room(num_running=3, num_free_slots=61, num_free_bytes=1 << 30))  # a step admitted and forked
+    assert q.counts() == Counts(num_waiting=3, num_queued=0)
+
+
+# ---- the real engine ----------------------------------------------------------------------------
 
 
 def make_engine(**engine_kw) -> AsyncEngine:
@@ -27,6 +70,79 @@ def make_engine(**engine_kw) -> AsyncEngine:
 
 def request(ids: list[int], max_tokens: int = 4) -> Request:
     return Request(uuid.uuid4().hex, NS, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def prompt(i: int) -> list[int]:
+    model, _ = load_embedded("int4")
+    return model.tokenizer.render_chat([{"role": "user", "content": f"Question {i}: name a colour."}])
+
+
+async def last_delta(engine: AsyncEngine, req: Request) -> Delta:
+    last = None
+    async for d in engine.generate(req):
+        last = d
+    assert last is not None
+    return last
+
+
+@pytest.mark.slow
+def test_a_burst_during_a_step_is_not_refused_while_session_slots_are_free() -> None:
+    """QA: with --max-queued-requests 2 and --max-num-seqs 64, only 2-3 of a burst of 6 requests were
+    admitted, those the engine thread had not yet taken from its inbox counting as queued. The engine
+    thread is held off here (its lock, as a long prefill step holds it): all 6 wait, none is queued."""
+    engine = make_engine(max_queued_requests=2, max_num_seqs=64)
+
+    async def go() -> list[Delta]:
+        engine._core_lock.acquire()
+        try:
+            tasks = [asyncio.ensure_future(last_delta(engine, request(prompt(i)))) for i in range(6)]
+            await asyncio.sleep(0.1)  # every task has handed its request over
+            h = engine.health()
+            assert (h.num_waiting, h.num_queued) == (6, 0) and not any(t.done() for t in tasks)
+        finally:
+            engine._core_lock.release()
+        finals = await asyncio.gather(*tasks)
+        await engine.shutdown()
+        return finals
+
+    finals = asyncio.run(go())
+    assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in finals)
+
+
+@pytest.mark.slow
+def test_a_request_the_session_bytes_cannot_start_is_queued() -> None:
+    """Free slots are not enough: with room for one session's bytes, the second request waits (queued,
+    1 of --max-queued-requests 1) and a third is refused; both accepted ones then complete."""
+    _, runner = load_embedded("int4")
+    per_token = runner.kv_bytes_per_token()
+    ps = [prompt(i) for i in range(3)]
+    one = max(len(p) for p in ps) + 4
+    engine = make_engine(max_queued_requests=1, max_num_seqs=64,
+                         max_session_bytes=max(one * 3 // 2, MIN_SESSION_TOKENS) * per_token)
+    assert engine.max_session_tokens < 2 * one  # one session at a time
+
+    async def go() -> list[Delta]:
+        engine._core_lock.acquire()
+        try:
+            tasks = [asyncio.ensure_future(last_delta(engine, request(p))) for p in ps[:2]]
+            await asyncio.sleep(0.1)
+            h = engine.health()
+            assert (h.num_waiting, h.num_queued) == (2, 1)
+            metrics = engine.metrics()
+            assert (metrics["waiting"], metrics["queued"]) == (2, 1)
+            with pytest.raises(Overloaded, match="queued"):
+                await last_delta(engine, request(ps[2]))
+        finally:
+            engine._core_lock.release()
+        finals = await asyncio.gather(*tasks)
+        h = engine.health()
+        assert (h.num_running, h.num_waiting, h.num_queued) == (0, 0, 0)
+        await engine.shutdown()
+        return finals
+
+    finals = asyncio.run(go())
+    assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in finals)
+    assert engine.core._reserved_bytes == 0
 
 
 @pytest.mark.slow

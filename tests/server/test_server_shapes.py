@@ -343,12 +343,13 @@ def test_models_health_and_unknown_routes(client: TestClient) -> None:
     assert client.get("/v1/models/other", headers=auth()).status_code == 404
     h = client.get("/health")
     assert h.status_code == 200
-    assert {k: h.json()[k] for k in ("ok", "exact_reuse", "detail", "running", "waiting")} == {
+    assert {k: h.json()[k] for k in ("ok", "exact_reuse", "detail", "running", "waiting", "queued")} == {
         "ok": True,
         "exact_reuse": True,
         "detail": "fake engine",
         "running": 0,
         "waiting": 0,
+        "queued": 0,
     }
     for method, path in (("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/completions")):
         r = client.request(method, path, headers=auth())

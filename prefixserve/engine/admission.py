@@ -1,0 +1,116 @@
+"""What counts as waiting and as queued, for `/health`, `/metrics` and `--max-queued-requests`
+(docs/architecture.md, "Admission").
+
+A request waits in two places before it runs: the inbox (handed over by the event loop; the engine
+thread takes it in between two steps, so arrivals during a prefill step of seconds stay there) and the
+core's queue. It is *waiting* in either. It is *queued* only if the next admission would not start it:
+admission (EngineCore._admit) starts requests in order while a session slot is free (`max_num_seqs`)
+and the prompt + max_tokens of KV fits the session bytes left (any size while nothing runs), and stops
+at the first that does not fit, so every one behind it waits too. `--max-queued-requests` bounds the
+queued ones: a burst that free slots will take at the next step is never refused.
+
+Race-free: the engine thread publishes the core's room whole (`Room`, immutable) after each change,
+and takes a request from the inbox into the core under the same lock that counts the inbox; the event
+loop reads both under that lock. Between publications (a step of seconds) the room is the one before
+the step: the step's own admissions were counted as starting, its finishes free room only after it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prefixserve.engine.session import kv_bytes_needed
+from prefixserve.types import Overloaded, Request
+
+if TYPE_CHECKING:
+    from prefixserve.engine.core import EngineCore
+
+RETRY_AFTER_S = 2  # a 429's Retry-After: about one step
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """The core's admission state at one moment between mutations; replaced whole, never changed."""
+
+    num_running: int  # sessions running
+    num_free_slots: int  # max_num_seqs - num_running (negative after n > 1 forks)
+    num_free_bytes: int  # max_session_bytes - the KV bytes admitted sessions reserved
+    waiting_bytes: tuple[int, ...] = ()  # the KV bytes each request in the core's queue will reserve, in order
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    num_waiting: int  # requests not started yet: in the core's queue or the inbox
+    num_queued: int  # of those, the ones the next admission would not start (`--max-queued-requests` bounds them)
+
+
+def room(core: EngineCore) -> Room:
+    """The core's room now. Call on the engine thread, between mutations."""
+    per_token = core.runner.kv_bytes_per_token()
+    return Room(
+        num_running=core.num_running(),
+        num_free_slots=core.config.max_num_seqs - core.num_running(),
+        num_free_bytes=core.config.max_session_bytes - core._reserved_bytes,
+        # back from a lower tier's load (engine/disk_loads.py), a request holds its reservation already
+        waiting_bytes=tuple(kv_bytes_needed(s.request, core.max_model_len, per_token) - s.reserved_bytes
+                            for s in core.waiting),
+    )
+
+
+def num_queued(room: Room, pending: Iterable[int]) -> int:
+    """Of the core's queue then `pending` (the KV bytes of each inbox request, in order): how many the
+    next admission would leave waiting, as EngineCore._admit decides. Pure."""
+    needs = [*room.waiting_bytes, *pending]
+    slots, free, running = room.num_free_slots, room.num_free_bytes, room.num_running > 0
+    for k, need in enumerate(needs):
+        if slots <= 0 or (running and need > free):
+            return len(needs) - k
+        slots, free, running = slots - 1, free - need, True
+    return 0
+
+
+class AdmissionQueue:
+    """The inbox's requests and the core's published room, under one lock. The event loop calls
+    `submit` and the readers; the engine thread `take` and `publish`."""
+
+    def __init__(self, first: Room) -> None:
+        self._lock = threading.Lock()
+        self._room = first
+        self._pending: deque[int] = deque()  # the KV bytes of each request in the inbox, in order
+        # the most requests the engine held at once (running + waiting), since start: taken at each
+        # submission, the only moment the count grows
+        self.peak = 0
+
+    def submit(self, need: int, limit: int) -> None:
+        """Count a request of `need` KV bytes into the inbox, or raise Overloaded (nothing counted)
+        when it would make more than `limit` requests queued."""
+        with self._lock:
+            if num_queued(self._room, [*self._pending, need]) > limit:
+                raise Overloaded(f"too many requests are queued ({limit} wait for a session slot or session memory); "
+                                 "retry shortly", retry_after_s=RETRY_AFTER_S)
+            self._pending.append(need)
+            self.peak = max(self.peak, self._room.num_running + len(self._room.waiting_bytes) + len(self._pending))
+
+    def take(self, core: EngineCore, request: Request) -> None:
+        """Engine thread: move the inbox's oldest request into the core's queue and publish the core's
+        room, as one change for the readers. It leaves the inbox also when `EngineCore.add` raises."""
+        with self._lock:
+            try:
+                core.add(request)
+            finally:
+                self._pending.popleft()
+                self._room = room(core)
+
+    def publish(self, now: Room) -> None:
+        """Engine thread: the core's room after a change (a step, an abort)."""
+        with self._lock:
+            self._room = now
+
+    def counts(self) -> Counts:
+        """What waits and what is queued now, read together."""
+        with self._lock:
+            return Counts(len(self._room.waiting_bytes) + len(self._pending), num_queued(self._room, self._pending))
