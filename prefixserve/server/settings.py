@@ -123,10 +123,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
     a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
     a("--max-queued-requests", type=int, metavar="N",
-      help="requests waiting for admission; past it new ones get 429 + Retry-After (PREFIXSERVE_MAX_QUEUED_REQUESTS; "
-           "default 256)")
+      help="requests queued beyond the free room (a session slot and session bytes at the next step); past it new "
+           "ones get 429 + Retry-After (PREFIXSERVE_MAX_QUEUED_REQUESTS; default 256; docs/architecture.md, \"Admission\")")
     a("--default-max-tokens", type=int, metavar="N",
-      help="max_tokens of a request that names none, within the room its prompt leaves; /health and /v1/models "
+      help="max_tokens of a request that names none, within the room its prompt leaves in the context and the "
+           "session budget; /health and /v1/models "
            f"report it (PREFIXSERVE_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS}; completions: OpenAI's 16)")
     a("--max-stored-responses", type=int, metavar="N",
       help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id}, in all; "
@@ -137,7 +138,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "(PREFIXSERVE_REASONING_PARSER; default auto)")
     a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
-           "that can never fit is a 400 (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
+           "that can never fit is a 400; at least 64 tokens of the model's KV (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
     a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
       "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     a("--model-cache-dir", metavar="DIR",
