@@ -19,7 +19,18 @@ from typing import Any
 
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file
 from prefixserve.cache.entry import FlushResult
-from prefixserve.cache.shared_keys import MAC_BYTES, add, lcp, mac, ns_prefix, scope_pattern, token_digest
+from prefixserve.cache.shared_delete import delete_keys, unwrite
+from prefixserve.cache.shared_keys import (
+    MAC_BYTES,
+    MARK_TOKENS,
+    add,
+    lcp,
+    mac,
+    marker_keys,
+    ns_prefix,
+    scope_pattern,
+    token_digest,
+)
 from prefixserve.cache.shared_link import Link
 from prefixserve.cache.tier import (
     Codec,
@@ -38,7 +49,6 @@ log = logging.getLogger("prefixserve.cache")  # constants below: docs/cache.md, 
 MAX_PENDING_WRITES = 64  # values are whole states (MBs): more queued than this are dropped, counted
 MAX_CANDIDATES = 8  # entry lengths probed per lookup, longest first
 LOADER_THREADS = 4
-MARK_TOKENS = 64  # a marker every this many tokens of an entry names it, so a prompt sharing part of it finds it
 
 
 @dataclass(slots=True)
@@ -106,9 +116,9 @@ class SharedTier(WriteBehind):
             for key in self._redis.scan_iter(match=pattern, count=1000):
                 batch.append(key)
                 if len(batch) >= 500:
-                    num_entries, num_bytes = add(self._delete(batch), (num_entries, num_bytes))
+                    num_entries, num_bytes = add(delete_keys(self._redis, batch), (num_entries, num_bytes))
                     batch = []
-            num_entries, num_bytes = add(self._delete(batch), (num_entries, num_bytes))
+            num_entries, num_bytes = add(delete_keys(self._redis, batch), (num_entries, num_bytes))
 
         self._link.call("flush", scan_delete, None)
         with self._lock:
@@ -262,11 +272,13 @@ class SharedTier(WriteBehind):
                             bool(state.has_logits), meta, len(payload), *snapshot_kind(state))
         value = self.encode(key, header, payload)
 
+        markers = marker_keys(self.config.prefix, ns, token_ids)
+
         def send() -> bool:
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(key, value)
-            for k in range(MARK_TOKENS, len(token_ids) + 1, MARK_TOKENS):  # markers: this entry extends that prefix
-                pipe.set(f"{ns_prefix(self.config.prefix, ns)}:p:{token_digest(token_ids[:k])}", key)
+            for marker in markers:  # this entry extends that prefix
+                pipe.set(marker, key)
             pipe.zadd(ns_prefix(self.config.prefix, ns) + ":len", {str(len(token_ids)): len(token_ids)})
             pipe.execute()
             return True
@@ -279,17 +291,5 @@ class SharedTier(WriteBehind):
                 self._c.num_write_bytes += len(value)
             elif not sent:
                 self._c.num_dropped_writes += 1
-        if sent and flushed:  # flushed while being written
-            self._link.call("delete", lambda: self._redis.delete(key), None)
-
-    def _delete(self, keys: list[bytes]) -> tuple[int, int]:
-        """(values deleted, their bytes) of `keys`; length indexes and markers are deleted too, not counted."""
-        if not keys:
-            return 0, 0
-        values = [k for k in keys if not k.endswith(b":len") and b":p:" not in k]
-        pipe = self._redis.pipeline(transaction=False)
-        for k in values:
-            pipe.strlen(k)
-        sizes = pipe.execute()
-        self._redis.unlink(*keys)
-        return len(values), sum(int(s) for s in sizes)
+        if sent and flushed:  # flushed while being written: what this write added goes
+            self._link.call("delete", lambda: unwrite(self._redis, key, markers, ns_prefix(self.config.prefix, ns) + ":len", len(token_ids)), None)

@@ -22,6 +22,7 @@ from prefixserve.cache.tier import digest, disk_ns
 from prefixserve.types import FlushScope, Namespace
 
 MAC_BYTES = 32  # HMAC-SHA256, appended to every value
+MARK_TOKENS = 64  # a marker every this many tokens of an entry names it, so a prompt sharing part of it finds it
 
 
 def ns_prefix(prefix: str, ns: Namespace) -> str:
@@ -35,6 +36,12 @@ def scope_pattern(prefix: str, scope: FlushScope) -> str:
     if scope.cache_salt is None:
         return f"{prefix}:{tenant}:*" if scope.tenant_id is not None else f"{prefix}:*"
     return f"{prefix}:{tenant}:{digest('salt', scope.cache_salt)}:*"
+
+
+def marker_keys(prefix: str, ns: Namespace, token_ids: Sequence[int]) -> list[str]:
+    """The markers an entry of `token_ids` writes: one every MARK_TOKENS tokens of it."""
+    base = ns_prefix(prefix, ns)
+    return [f"{base}:p:{token_digest(token_ids[:k])}" for k in range(MARK_TOKENS, len(token_ids) + 1, MARK_TOKENS)]
 
 
 def token_digest(token_ids: Sequence[int]) -> str:

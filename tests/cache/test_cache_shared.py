@@ -16,6 +16,7 @@ import redis
 from cache_fakes import NS_A, NS_A_OTHER_MODEL, NS_A_SALT, NS_B
 
 from prefixserve.cache.shared import MAC_BYTES, SharedTier
+from prefixserve.cache.shared_keys import token_digest
 from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope
@@ -209,6 +210,28 @@ def test_flush_deletes_the_scope_of_every_model(server: RedisServer, client: red
     assert len(client.keys("*")) == 3  # bob's value, its length index and its marker
     assert t.flush(FlushScope(None, None)).num_entries == 1 and client.keys("*") == []
     assert t.stats()["redis_flushed"] == 4
+    t.close()
+
+
+def test_a_write_that_lands_after_a_flush_leaves_nothing_of_it(server: RedisServer, client: redis.Redis) -> None:
+    t = tier(server)
+    long_sys = SYS + tuple(range(500, 564))  # 128 tokens: markers at 64 and 128
+    put(t, NS_A, SYS + (1,), b"k" * 50)  # an entry of the namespace written after the flush: marker at 64 kept
+    kept_marker = client.get(f"{t.key(NS_A, SYS).rsplit(':', 1)[0]}:p:{token_digest(SYS)}")
+    with t._lock:  # the flush lands while a write queued before it (epoch 0) is in flight
+        t._epoch += 1
+        t._flushes.append((t._epoch, FlushScope("tenant-a")))
+    t._write(NS_A, long_sys + (2,), Blob(b"w" * 80), 0)  # the writer thread's call, made here to fix the order
+    assert client.get(t.key(NS_A, long_sys + (2,))) is None  # the value went
+    base = t.key(NS_A, SYS).rsplit(":", 1)[0]
+    assert client.get(f"{base}:p:{token_digest(long_sys)}") is None  # its own marker went
+    # the 64-token marker named the late write (last writer wins); it went too, the older entry's is
+    # findable by its length, and nothing of the late entry's length is left in the index
+    assert client.get(f"{base}:p:{token_digest(SYS)}") is None and kept_marker is not None
+    assert client.zrange(f"{base}:len", 0, -1) == [b"65"]
+    got = get(t, NS_A, SYS + (1, 5))
+    assert isinstance(got, Loaded) and got.token_ids == SYS + (1,)
+    assert t.stats()["redis_writes"] == 1  # the late write is not counted as stored
     t.close()
 
 
