@@ -1,7 +1,7 @@
 """`prefixserve usage`: a per-tenant, per-UTC-day table read straight from the ledger file.
 
-Reads committed data only (a running server's last ~0.1 s may not be there yet), through a
-query-only connection, so it is safe to run against a live server's ledger.
+Reads committed data only (a running server's last ~50 ms of records, one batch, may not be there
+yet), through a query-only connection, so it is safe to run against a live server's ledger.
 """
 
 from __future__ import annotations
