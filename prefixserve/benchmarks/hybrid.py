@@ -136,6 +136,7 @@ def bench_hybrid(quick: bool, print_fn: Callable[[str], object] = print, layers:
 
 class _NoTokenizer:
     thinks = False
+    think_end_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -66,6 +66,7 @@ class FlushReport:
 class TokenizerLike(Protocol):
     eos_token_ids: tuple[int, ...]
     thinks: bool  # its chat template and vocabulary have <think> ... </think> (server/reasoning.py)
+    think_end_id: int | None  # </think>'s token id when it thinks: usage's reasoning_tokens count through it
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -47,7 +47,9 @@ class Tokenizer:
         # the control tokens' texts: in a chat message they are text, never the tokens (render_chat)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
-        self.thinks = _thinks(hf_tokenizer)
+        # a thinking model's </think> token, which ends a reply's reasoning (server/reasoning.py); else None
+        self.think_end_id = _think_end_id(hf_tokenizer)
+        self.thinks = self.think_end_id is not None
         decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
         state = decoder.__getstate__() if decoder is not None else b""
         self._byte_level = b'"type":"ByteLevel"' in state or hasattr(hf_tokenizer, "byte_decoder")
@@ -148,15 +150,17 @@ class Tokenizer:
         return value
 
 
-def _thinks(hf: Any) -> bool:
-    """A thinking model's tokenizer: <think> and </think> are tokens that decode as text (not skipped as
-    special) and the chat template writes them (server/reasoning.py splits such replies)."""
+def _think_end_id(hf: Any) -> int | None:
+    """</think>'s id for a thinking model's tokenizer: <think> and </think> are tokens that decode as text
+    (not skipped as special) and the chat template writes them (server/reasoning.py splits such replies)."""
     template = hf.chat_template if isinstance(getattr(hf, "chat_template", None), str) else ""
     if "<think>" not in template:
-        return False
+        return None
     added = {t.content: t for t in getattr(hf, "added_tokens_decoder", {}).values()}
     vocab = hf.get_vocab()
-    return all(tag in vocab and not getattr(added.get(tag), "special", False) for tag in ("<think>", "</think>"))
+    if not all(tag in vocab and not getattr(added.get(tag), "special", False) for tag in ("<think>", "</think>")):
+        return None
+    return int(vocab["</think>"])
 
 
 def load_tokenizer_gguf(path: str) -> Tokenizer:

@@ -74,7 +74,8 @@ def prepare_chat(
     shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),
                       fingerprint=engine.health().fingerprint,
                       logprobs=None if num_logprobs is None else LogprobRenderer(engine.tokenizer), tools=setup,
-                      thinking=thinking_start(engine, prompt_ids) if think_split else None)
+                      thinking=thinking_start(engine, prompt_ids) if think_split else None,
+                      think_end_id=engine.tokenizer.think_end_id)
     return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n)
 
 

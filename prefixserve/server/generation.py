@@ -102,6 +102,7 @@ async def _collect(
         tracker.on_delta(delta)
         choice = choices[delta.index]
         choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs

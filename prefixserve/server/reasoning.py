@@ -10,12 +10,20 @@ leading whitespace; a reply cut while thinking is all reasoning. Streaming gives
 text that could still be a tag or trailing whitespace is held until it is known.
 
 On only for a model whose vocabulary has both tags as tokens and whose chat template writes them
-(`Tokenizer.think_tags`), so other models' replies are never touched; `--reasoning-parser none` turns
+(`Tokenizer.thinks`), so other models' replies are never touched; `--reasoning-parser none` turns
 it off.
+
+Usage's `reasoning_tokens` (chat's `completion_tokens_details`, Responses' `output_tokens_details`)
+counts a split reply's reasoning by the token ids the engine generated, never by re-tokenizing text:
+the tokens through the first `</think>` token (`Tokenizer.think_end_id`), or all of them when the
+reply ended before closing the block; 0 for a reply whose reasoning was not split off. A reply that
+spells `</think>` in pieces of other tokens closes the block in the text but not by id, and counts
+every token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -33,17 +41,43 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
     return text[:end].strip(), text[end + len(CLOSE):].lstrip()
 
 
+def reasoning_tokens(token_ids: Sequence[int], end_id: int | None) -> int:
+    """How many of a split reply's output tokens are reasoning: those through its first </think> token
+    (`end_id`), or all of them when it ended before closing the block."""
+    for i, token_id in enumerate(token_ids):
+        if token_id == end_id:
+            return i + 1
+    return len(token_ids)
+
+
 @dataclass(slots=True)
 class ReasoningStream:
-    """Streaming side of `split_reasoning`: `feed` returns the (reasoning, content) safe to send now."""
+    """Streaming side of `split_reasoning`: `feed` returns the (reasoning, content) safe to send now;
+    `count` takes the same deltas' token ids for `num_tokens` (`reasoning_tokens` of the whole reply)."""
 
     thinking: bool
+    end_id: int | None = None  # the </think> token's id
     _state: str = ""  # "start" (before a possible <think>), "think", "after" (skipping whitespace), "content"
     _held: str = ""
     _said: bool = False  # some reasoning went out (later leading whitespace is inner, not leading)
+    _opened: bool = False  # the reasoning is split off: the prompt or the reply opened the block
+    _num_counted: int = 0  # tokens through the first </think> token, or all so far
+    _closed: bool = False  # the </think> token was counted
 
     def __post_init__(self) -> None:
         self._state = "think" if self.thinking else "start"
+        self._opened = self.thinking
+
+    @property
+    def num_tokens(self) -> int:
+        """The reply's reasoning tokens so far: 0 while (or once it is known that) it did not open a block."""
+        return self._num_counted if self._opened else 0
+
+    def count(self, token_ids: Sequence[int]) -> None:
+        """Count one delta's generated token ids, in the order the engine made them."""
+        if not self._closed:
+            self._num_counted += reasoning_tokens(token_ids, self.end_id)
+            self._closed = self.end_id in token_ids
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
@@ -51,7 +85,7 @@ class ReasoningStream:
         if self._state == "start":
             head = self._held.lstrip()
             if head.startswith(OPEN):
-                self._state, self._held = "think", head[len(OPEN):]
+                self._state, self._held, self._opened = "think", head[len(OPEN):], True
             elif OPEN.startswith(head):  # nothing yet, or a tag on its way
                 return "", ""
             else:

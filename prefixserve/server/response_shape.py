@@ -6,7 +6,8 @@ Output items, in order: a thinking model's `reasoning` item (server/reasoning.py
 `function_call` items (`incomplete` for a call that max_output_tokens cut). Streamed, each item opens
 with `response.output_item.added` and closes with `response.output_item.done`, its text in
 `response.reasoning_text.delta` / `response.output_text.delta` events between; the last event,
-`response.completed` or `response.incomplete`, carries the whole response and its usage.
+`response.completed` or `response.incomplete`, carries the whole response and its usage
+(`output_tokens_details.reasoning_tokens`: the reasoning item's tokens, server/reasoning.py).
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.server.reasoning import ReasoningStream, split_reasoning
+from prefixserve.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from prefixserve.server.responses import ChoiceOutput, Shape
 from prefixserve.server.tools import ParsedReply, ToolCallOut, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.server.tools import finish_reason as replied
 from prefixserve.types import TokenLogprob, Usage
 
 
-def usage_object(usage: Usage) -> dict[str, Any]:
+def usage_object(usage: Usage, num_reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.total_tokens}
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens}, "total_tokens": usage.total_tokens}
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class ResponseShape(Shape):
     echo: dict[str, Any] = field(default_factory=dict)  # request fields every response object repeats
     keep: Callable[[dict[str, Any]], None] | None = None  # given the finished response (server/response_store.py)
     thinking: bool | None = None  # a thinking model's reasoning as a reasoning item (server/reasoning.py)
+    think_end_id: int | None = None  # the </think> token, for usage's reasoning_tokens
     _seq: int = 0
     _stream: ToolCallStream | None = None
     _thought: ReasoningStream | None = None
@@ -62,21 +64,24 @@ class ResponseShape(Shape):
         output += [] if reply.content is None and reply.calls else [
             _message(f"msg_{uuid.uuid4().hex}", reply.content or "", cut, lps)]
         output += [_call(call) for call in reply.calls]
-        return self._kept(self._response(output, usage, replied(reply, c.finish_reason)))
+        num_reasoning = 0 if reasoning is None else reasoning_tokens(c.token_ids, self.think_end_id)
+        return self._kept(self._response(output, usage, replied(reply, c.finish_reason), num_reasoning))
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self._response([], None, None)),
                 self._event("response.in_progress", response=self._response([], None, None))]
 
-    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...], finish_reason: str | None,
+               prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+               token_ids: tuple[int, ...] = ()) -> list[dict[str, Any]]:
         if self.tools is not None and self._stream is None:
             self._stream = ToolCallStream(self.tools)
         self._pending += logprobs
         out = []
         if self.thinking is not None:
             if self._thought is None:
-                self._thought = ReasoningStream(self.thinking)
+                self._thought = ReasoningStream(self.thinking, self.think_end_id)
+            self._thought.count(token_ids)
             reasoning, text = self._thought.feed(text)
             if finish_reason is not None:
                 more, rest = self._thought.finish()
@@ -116,9 +121,12 @@ class ResponseShape(Shape):
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last event: the whole response, with its usage."""
-        response = self._kept(self._response(self._output, usage, self._finish))
+        response = self._kept(self._response(self._output, usage, self._finish, self.num_reasoning_tokens()))
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return self._event(done, response=response)
+
+    def num_reasoning_tokens(self) -> int:
+        return 0 if self._thought is None else self._thought.num_tokens
 
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
         if self.keep is not None:
@@ -178,12 +186,13 @@ class ResponseShape(Shape):
         self._seq += 1
         return {"type": kind, "sequence_number": self._seq - 1, **fields}
 
-    def _response(self, output: list[dict[str, Any]], usage: Usage | None, finish: str | None) -> dict[str, Any]:
+    def _response(self, output: list[dict[str, Any]], usage: Usage | None, finish: str | None,
+                  num_reasoning_tokens: int = 0) -> dict[str, Any]:
         status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "model": self.model, "output": output, **self.echo,
-                "usage": None if usage is None else usage_object(usage)}
+                "usage": None if usage is None else usage_object(usage, num_reasoning_tokens)}
 
 
 def _message(item_id: str, text: str, cut: bool = False, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:

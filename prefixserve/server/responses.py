@@ -3,30 +3,36 @@
 A `Shape` knows one response's id, creation time, model, fingerprint and options (logprobs, tools),
 and turns engine output into the dicts OpenAI clients parse. `usage_dict` is the single place usage
 is rendered: `cached_tokens` is always present, and every number is the engine's (worker truth),
-never re-counted here. With n > 1 choices, `usage` counts the prompt once.
+never re-counted here; `reasoning_tokens` is counted on the token ids the engine generated
+(server/reasoning.py). With n > 1 choices, `usage` counts the prompt once and sums the choices.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixserve.server.errors import error_body
 from prefixserve.server.logprobs import LogprobRenderer
-from prefixserve.server.reasoning import ReasoningStream, split_reasoning
+from prefixserve.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from prefixserve.server.tools import ParsedReply, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.server.tools import finish_reason as replied
 from prefixserve.types import Request, TokenLogprob, Usage
 
 
-def usage_dict(usage: Usage) -> dict[str, Any]:
+def usage_dict(usage: Usage, num_reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's `CompletionUsage` (chat and completions share it) with every details field OpenAI sends;
+    those of features served nowhere here (audio, predicted outputs) are 0, and so is reasoning_tokens
+    on completions, which never split reasoning off."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": num_reasoning_tokens, "accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0, "audio_tokens": 0},
     }
 
 
@@ -43,6 +49,7 @@ class ChoiceOutput:
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # completions' echo with logprobs
+    token_ids: list[int] = field(default_factory=list)  # every generated token (a stop token too)
 
 
 @dataclass(slots=True)
@@ -64,12 +71,17 @@ class Shape:
         """Chunks sent before any output (chat: the assistant role of each choice)."""
         return []
 
-    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...], finish_reason: str | None,
+               prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+               token_ids: tuple[int, ...] = ()) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage_dict(usage)}
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage_dict(usage, self.num_reasoning_tokens())}
+
+    def num_reasoning_tokens(self) -> int:
+        """Streamed: the reasoning tokens of every choice so far (0 where reasoning is never split off)."""
+        return 0
 
     def failure(self, message: str) -> dict[str, Any]:
         """The event that ends a stream the server could not finish (OpenAI's error object)."""
@@ -114,8 +126,9 @@ class CompletionShape(Shape):
         return [self._chunk({"index": i, "text": self._prefix(i), "logprobs": None, "finish_reason": None})
                 for i in range(num_choices)]
 
-    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...], finish_reason: str | None,
+               prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+               token_ids: tuple[int, ...] = ()) -> list[dict[str, Any]]:
         out = []
         if prompt_logprobs is not None and self.echo and self.logprobs is not None:
             out.append(self._chunk({"index": index, "text": self._prefix(index),
@@ -149,14 +162,17 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     tools: ToolSetup | None = None  # parse tool calls out of the replies
     thinking: bool | None = None  # split reasoning out (server/reasoning.py); True: the prompt opened <think>
+    think_end_id: int | None = None  # the </think> token, for usage's reasoning_tokens
     _streams: dict[int, ToolCallStream] = field(default_factory=dict)
     _thoughts: dict[int, ReasoningStream] = field(default_factory=dict)
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         body = []
+        num_reasoning = 0
         for c in choices:
             cut = c.finish_reason == "length"
             reasoning, text = (None, c.text) if self.thinking is None else split_reasoning(c.text, self.thinking)
+            num_reasoning += 0 if reasoning is None else reasoning_tokens(c.token_ids, self.think_end_id)
             reply = parse_tool_calls(text, self.tools, cut) if self.tools else ParsedReply(text, ())
             message = {"role": "assistant", "content": reply.content, "refusal": None,
                        "tool_calls": [call.as_dict() for call in reply.calls] or None}
@@ -164,16 +180,18 @@ class ChatShape(Shape):
                 message["reasoning_content"] = reasoning
             body.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
                          "finish_reason": replied(reply, c.finish_reason)})
-        return {**self._head("chat.completion"), "choices": body, "usage": usage_dict(usage)}
+        return {**self._head("chat.completion"), "choices": body, "usage": usage_dict(usage, num_reasoning)}
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
         return [self._delta(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
 
-    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...],
-               finish_reason: str | None, prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> list[dict[str, Any]]:
+    def chunks(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...], finish_reason: str | None,
+               prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+               token_ids: tuple[int, ...] = ()) -> list[dict[str, Any]]:
         out = []
         if self.thinking is not None:
-            thought = self._thoughts.setdefault(index, ReasoningStream(self.thinking))
+            thought = self._thoughts.setdefault(index, ReasoningStream(self.thinking, self.think_end_id))
+            thought.count(token_ids)
             reasoning, text = thought.feed(text)
             if finish_reason is not None:
                 more, rest = thought.finish()
@@ -198,6 +216,9 @@ class ChatShape(Shape):
                 finish_reason = replied(reply, finish_reason)
             out.append(self._delta(index, {}, finish_reason))
         return out
+
+    def num_reasoning_tokens(self) -> int:
+        return sum(thought.num_tokens for thought in self._thoughts.values())
 
     def _stream(self, index: int) -> ToolCallStream:
         assert self.tools is not None
@@ -238,4 +259,4 @@ class Prepared:
         if self.num_returned is None or len(choices) <= self.num_returned:
             return choices
         best = sorted(choices, key=lambda c: -sum(e.logprob for e in c.logprobs))[: self.num_returned]
-        return [ChoiceOutput(i, c.text, c.finish_reason, c.logprobs, c.prompt_logprobs) for i, c in enumerate(best)]
+        return [replace(c, index=i) for i, c in enumerate(best)]

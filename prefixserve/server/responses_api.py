@@ -121,7 +121,8 @@ def prepare_response(
             store.put(tenant_id, response_id, [*conversation, assistant_message(response["output"])], items, response)
     shape = ResponseShape(id=response_id, model=prepared.shape.model, include_usage=True,
                           fingerprint=prepared.shape.fingerprint, logprobs=prepared.shape.logprobs,
-                          tools=prepared.shape.tools, echo=echo, keep=keep, thinking=prepared.shape.thinking)
+                          tools=prepared.shape.tools, echo=echo, keep=keep, thinking=prepared.shape.thinking,
+                          think_end_id=prepared.shape.think_end_id)
     return replace(prepared, shape=shape)
 
 

@@ -60,7 +60,8 @@ async def sse_events(
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 break
             reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason).value
-            chunks = shape.chunks(delta.index, delta.text, delta.logprobs, reason, delta.prompt_logprobs)
+            chunks = shape.chunks(delta.index, delta.text, delta.logprobs, reason, delta.prompt_logprobs,
+                                  delta.token_ids)
             out.extend(sse(obj, named) for obj in chunks)
             if reason is not None:
                 num_left -= 1

@@ -33,6 +33,7 @@ class FakeTokenizer:
     vocab_size = 256 + OFFSET
     thinks = False  # a test sets it to split replies as a thinking model's
     opens_think = False  # ... and this for a template whose generation prompt opens <think>
+    think_end_id: int | None = None  # its tags are bytes, no one token: a split reply's tokens all count as reasoning
 
     def encode(self, text: str) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]

@@ -32,13 +32,14 @@ def save_tokenizer(folder: str) -> None:
 
 def make_model(folder: str, *, layers: int = 4, seed: int = 0, hidden: int = 64, tie: bool = False,
                kv_heads: int = 2, lin_k_heads: int = 2, lin_v_heads: int = 4, head_dim: int = 16,
-               lin_dim: int = 16, intermediate: int = 128, with_tokenizer: bool = True):
+               lin_dim: int = 16, intermediate: int = 128, with_tokenizer: bool = True, vocab: int = VOCAB):
     """Save a random hybrid model (every 4th layer full attention) to `folder`; returns the transformers model.
-    Every weight gets noise (norm weights too, so the zero-centred (1 + w) path is exercised)."""
+    Every weight gets noise (norm weights too, so the zero-centred (1 + w) path is exercised). `vocab`:
+    more than the tokenizer's for one saved after (with_tokenizer=False) that adds tokens; EOS stays <|im_end|>."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim, linear_conv_kernel_dim=4,
         linear_key_head_dim=lin_dim, linear_value_head_dim=lin_dim, linear_num_key_heads=lin_k_heads,
         linear_num_value_heads=lin_v_heads, max_position_embeddings=8192, tie_word_embeddings=tie,

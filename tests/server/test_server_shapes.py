@@ -42,7 +42,9 @@ def check_usage(usage: dict[str, Any], prompt: int, completion: int, cached: int
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0, "audio_tokens": 0},
     }
 
 

@@ -51,7 +51,7 @@ def test_one_write_per_delta_the_first_with_the_opening_the_last_with_usage_and_
     assert [content(e) for e in got[1]] == ["b"]
     last = got[2]
     assert content(last[0]) == "c" and last[1]["choices"][0]["finish_reason"] == "length"
-    assert last[2]["choices"] == [] and last[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}
+    assert last[2]["choices"] == [] and last[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 6, "audio_tokens": 0}
     assert last[3] == "[DONE]" and len(last) == 4
 
 
