@@ -182,19 +182,22 @@ def render_prompt(
     without) gets the generic fallback of tools.py instead. Without tools, earlier calls a template
     would drop are written as text all the same (the model must see what it called). A template that
     rejects the messages is the client's error (400). `template_kwargs`: the request's
-    chat_template_kwargs (`check_template_kwargs`)."""
+    chat_template_kwargs (`check_template_kwargs`). The templates get calls' arguments as objects;
+    calls written as text keep the client's arguments string (tools.calls_as_text)."""
     def render(msgs: list[dict[str, Any]], tool_defs: list[dict[str, Any]] | None) -> list[int]:
         return _render(engine, msgs, tool_defs, add_generation_prompt, template_kwargs)
 
+    templated = [{**m, "tool_calls": [_tool_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                 for m in messages]
     if tool_list is None:
-        native = render(messages, None)
+        native = render(templated, None)
         if not any(m.get("tool_calls") for m in messages):
             return native
         if native != render([{k: v for k, v in m.items() if k != "tool_calls"} for m in messages], None):
             return native  # the template writes calls itself
         return render(calls_as_text(messages), None)
-    native = render(messages, tool_list)
-    if native != render(messages, None):
+    native = render(templated, tool_list)
+    if native != render(templated, None):
         return native
     return render(fallback_messages(messages, tool_list), None)
 
@@ -231,8 +234,8 @@ def calls_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated messages as plain dicts for the chat template. Text parts are joined with newlines;
-    assistant tool-call arguments given as JSON strings are parsed to objects, as templates expect."""
+    """Validated messages as plain dicts. Text parts are joined with newlines; assistant tool calls are
+    kept as the client sent them (`render_prompt` parses their arguments for the template)."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     out: list[dict[str, Any]] = []
@@ -249,7 +252,7 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if msg.tool_calls:
             if msg.role != "assistant":
                 raise bad_request("only assistant messages may carry tool_calls", f"{where}.tool_calls")
-            item["tool_calls"] = [_tool_call(tc.model_dump(exclude_none=True)) for tc in msg.tool_calls]
+            item["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in msg.tool_calls]
         if msg.role == "tool":
             if msg.tool_call_id is None:
                 raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
@@ -299,6 +302,7 @@ def _render(engine: EngineClient, messages: list[dict[str, Any]], tools: list[di
 
 
 def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as templates expect it: arguments given as a JSON string parsed to an object."""
     fn = dict(call.get("function", {}))
     args = fn.get("arguments")
     if isinstance(args, str):

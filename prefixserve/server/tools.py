@@ -1,12 +1,17 @@
 """Tool calls: the prompt side (native template or the generic fallback), the grammar that forces a
 call, and the parser that turns the model's text into OpenAI `tool_calls`.
 
-The call syntax is Hermes-style, as the Qwen family's templates define it:
-``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``. A template that renders `tools` itself
-(its prompt changes with them) gets them natively. A template that drops them (the embedded SmolLM2)
-gets the generic fallback (docs/architecture.md, "Tool calls"): the tools and the syntax are described
-in a system message, and assistant turns that made calls are written back in the same syntax, so
-every turn of an agent loop renders the history identically and hits the prefix cache.
+The call syntax is Hermes-style, in the one text form the Qwen2.5/Qwen3/Hermes templates write a
+call in (`call_text`): ``<tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>``, `", "`
+between items and `": "` after keys. The forced-call grammar makes the model write exactly that form,
+the fallback's system message teaches it, and the fallback writes calls back in it with the client's
+`arguments` verbatim, which is the model's own text of them (`parse_tool_calls` returns that
+substring, as OpenAI does): an echoed call renders as the text the model generated, so the next
+turn's prefix cache hit reaches into it, as far as the model's tokens are the tokenizer's own
+encoding of that text (docs/architecture.md, "Structured outputs and tool calls"). A template that
+renders `tools` itself (its prompt changes with them) gets them natively and writes calls back
+itself. A template that drops them (the embedded SmolLM2) gets the generic fallback: the tools and the
+syntax are described in a system message, and assistant turns that made calls are written back as text.
 
 `tool_choice` "required" or a named function is enforced by constrained decoding (`call_grammar`):
 the reply is exactly one call whose arguments match the tool's JSON schema. "auto" lets the model
@@ -22,12 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HEAD, TAIL = OPEN + "\n", "\n" + CLOSE  # around a call's JSON object (`call_text`)
+ITEM_SEP, KEY_SEP = ", ", ": "  # the templates' `tojson` (json.dumps' defaults), and the forced grammar's
+_DECODER = json.JSONDecoder()
 CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(,\s*"(?:arguments|parameters)"\s*:\s*)?')
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCallOut:
-    """One parsed call, as OpenAI returns it (arguments: a JSON string)."""
+    """One parsed call, as OpenAI returns it (arguments: the JSON text the model wrote for them)."""
 
     name: str
     arguments: str
@@ -114,18 +122,27 @@ def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
         options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ITEM_SEP,
+                                     "key_separator": KEY_SEP}}
 
 
 def call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
-    """A Lark grammar (llguidance's dialect) for exactly one call in the Hermes syntax."""
-    return f'start: "{OPEN}" call "{CLOSE}"\ncall: %json {json.dumps(call_schema(tools, name))}\n'
+    """A Lark grammar (llguidance's dialect) for exactly one call in its canonical text (`call_text`):
+    name first (the schema's property order), no whitespace but the separators'."""
+    return f"start: {json.dumps(HEAD)} call {json.dumps(TAIL)}\ncall: %json {json.dumps(call_schema(tools, name))}\n"
+
+
+def call_text(name: str, arguments: str) -> str:
+    """One call in its canonical text, as the forced grammar makes the model write it and as the
+    fallback writes it back: `arguments` (JSON text) is written as it is."""
+    name_json = json.dumps(name, ensure_ascii=False)
+    return f'{HEAD}{{"name"{KEY_SEP}{name_json}{ITEM_SEP}"arguments"{KEY_SEP}{arguments}}}{TAIL}'
 
 
 def fallback_system_message(tools: list[dict[str, Any]]) -> str:
     """The tools and the call syntax, for a template that does not render tools itself."""
     lines = ["You can call these functions. To call one, reply with only",
-             f'{OPEN}{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}{CLOSE}',
+             call_text("<function name>", "{<arguments as JSON>}"),
              "Functions:"]
     for tool in tools:
         fn = tool["function"]
@@ -135,13 +152,13 @@ def fallback_system_message(tools: list[dict[str, Any]]) -> str:
 
 
 def calls_as_text(tool_calls: list[dict[str, Any]]) -> str:
-    """An assistant turn's calls written back in the call syntax (the fallback's history)."""
-    parts = []
-    for call in tool_calls:
-        fn = call.get("function", {})
-        args = fn.get("arguments", {})
-        parts.append(OPEN + json.dumps({"name": fn.get("name"), "arguments": args}, sort_keys=True) + CLOSE)
-    return "".join(parts)
+    """An assistant turn's calls written back as `call_text`, one a line (as the Qwen/Hermes templates
+    write them). A client's `arguments` string that is JSON is written verbatim: it is the model's own
+    text of them (`parse_tool_calls`), so the turn renders as the text the model generated. An
+    object (accepted leniently) is serialized with the canonical separators, a string that is not
+    JSON is written as a JSON string, and none or an empty string as {}."""
+    return "\n".join(call_text(str(call.get("function", {}).get("name")),
+                               _arguments_text(call.get("function", {}).get("arguments"))) for call in tool_calls)
 
 
 def _call_from_json(body: str, setup: ToolSetup) -> ToolCallOut | None:
@@ -151,10 +168,47 @@ def _call_from_json(body: str, setup: ToolSetup) -> ToolCallOut | None:
         return None
     if not isinstance(value, dict) or value.get("name") not in setup.names:
         return None
-    args = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(args, dict):
+    key = "arguments" if "arguments" in value else "parameters"
+    if not isinstance(value.get(key, {}), dict):
         return None
-    return ToolCallOut(name=str(value["name"]), arguments=json.dumps(args, ensure_ascii=False))
+    spans = _value_spans(body)  # the model's own text of the arguments, as OpenAI returns it
+    return ToolCallOut(name=str(value["name"]), arguments=body[slice(*spans[key])] if key in spans else "{}")
+
+
+def _value_spans(body: str) -> dict[str, tuple[int, int]]:
+    """Where each member's value of the JSON object `body` (one that json.loads parses) is written:
+    key -> (start, end), the last one of a repeated key (as json.loads keeps)."""
+    spans: dict[str, tuple[int, int]] = {}
+    pos = _skip_ws(body, 0) + 1  # past "{"
+    while body[pos := _skip_ws(body, pos)] != "}":
+        key, pos = _DECODER.raw_decode(body, pos)
+        start = _skip_ws(body, _skip_ws(body, pos) + 1)  # past ":"
+        _, end = _DECODER.raw_decode(body, start)
+        spans[key] = (start, end)
+        pos = _skip_ws(body, end)
+        if body[pos] == ",":
+            pos += 1
+    return spans
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    """The position of the first character at or after `pos` that is not JSON whitespace."""
+    while pos < len(text) and text[pos] in " \t\n\r":
+        pos += 1
+    return pos
+
+
+def _arguments_text(args: Any) -> str:
+    """A call's `arguments` as a client sent them (a JSON string, or an object) -> JSON text."""
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return "{}"
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+            return args
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    return json.dumps(args, ensure_ascii=False, separators=(ITEM_SEP, KEY_SEP))
 
 
 def _cut_call(body: str, setup: ToolSetup) -> ToolCallOut | None:

@@ -70,7 +70,7 @@ def test_earlier_tool_calls_stay_in_a_prompt_without_tools(tok: Tokenizer) -> No
                 {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "a", "content": "sunny, 22C"}]
     text = tok.decode(render_prompt(engine, messages, None))  # type: ignore[arg-type]
-    assert 'assistant\n<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>\ntool\n' in text
+    assert 'assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\ntool\n' in text
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     with_tools = tok.decode(render_prompt(engine, messages, tools))  # type: ignore[arg-type]
     assert text.split("user\n", 1)[1] in with_tools  # the history after the system turn: the same text

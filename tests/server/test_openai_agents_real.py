@@ -12,6 +12,7 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "sk-agents-a-111"
 server = server_fixture(["--api-key", KEY, "--no-ledger"], scope="module")
+dense = server_fixture(["--api-key", KEY, "--no-ledger", "--decode-kernel", "dense"], scope="module")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -139,6 +141,35 @@ def test_required_tool_choice_and_unknown_model(server: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="gpt-9", messages=ASK, max_tokens=2)
     assert isinstance(e.value.body, dict) and e.value.body.get("code") == "model_not_found"
+
+
+def test_a_forced_call_echoed_back_renders_as_the_reply_and_hits_the_cache(dense: ServerProcess) -> None:
+    """QA's case, on the fallback path (the embedded template drops tools): the client gets the model's
+    own text of the arguments, and the call it echoes back renders as the characters the model wrote,
+    so the next turn's cache hit reaches into the call as far as the model's tokens are the tokenizer's
+    own encoding of that text. (Under the grammar the model may split the text otherwise, `"}` `}`
+    where the tokenizer has `"` `}}`; the cache is keyed by token ids, so the hit stops there.) On the
+    dense server a finished turn is cached as it ends; with 4-bit decode it is re-fed first, and the
+    next turn may come before that, finish it and be billed for it as computed."""
+    c, m = client(dense), model_id(dense)
+    r = c.chat.completions.create(model=m, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=40,
+                                  temperature=0, logprobs=True)
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage is not None and r.choices[0].logprobs
+    content = r.choices[0].logprobs.content or []
+    generated, reply = [e.token for e in content], b"".join(bytes(e.bytes or []) for e in content).decode()
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.arguments in reply  # the model's own text of them, not a re-serialization
+    echoed = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}]
+    rendered = httpx.post(f"{dense.base_url}/tokenize", headers={"Authorization": f"Bearer {KEY}"}, json={
+        "model": m, "messages": echoed, "tools": [WEATHER], "add_generation_prompt": False,
+        "return_token_strs": True}).json()["token_strs"][r.usage.prompt_tokens:]
+    assert "".join(rendered).startswith(reply + "<|im_end|>")  # the same characters
+    same = next((i for i, (a, b) in enumerate(zip(generated, rendered)) if a != b), len(generated))
+    history = [*echoed, {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18, "sky": "clear"}'}]
+    second = c.chat.completions.create(model=m, messages=history, tools=[WEATHER], max_tokens=2, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    covered = second.usage.prompt_tokens_details.cached_tokens  # the finished turn but its last token
+    assert covered >= r.usage.prompt_tokens + min(same, len(generated) - 1), (covered, generated, rendered)
 
 
 def test_the_responses_api_answers_as_chat_does_and_shares_its_cache(server: ServerProcess) -> None:

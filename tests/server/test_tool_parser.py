@@ -78,8 +78,28 @@ def test_forced_grammar_compiles_and_history_round_trips() -> None:
     check_constraint(Constraint("lark", call_grammar(TOOLS, None)))
     check_constraint(Constraint("lark", call_grammar(TOOLS, "get_weather")))
     text = calls_as_text([{"function": {"name": "add", "arguments": {"a": 1}}}])
-    assert calls(text) == [("add", {"a": 1})]
-    assert '"name": "get_weather"' in fallback_system_message(TOOLS)
+    assert text == '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>' and calls(text) == [("add", {"a": 1})]
+    assert '<tool_call>\n{"name": "<function name>", "arguments": {' in fallback_system_message(TOOLS)
+    two = calls_as_text([{"function": {"name": "add", "arguments": '{"a":1}'}},
+                         {"function": {"name": "get_weather", "arguments": '{"city": "A"}'}}])
+    assert two == ('<tool_call>\n{"name": "add", "arguments": {"a":1}}\n</tool_call>\n'
+                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "A"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize(("body", "arguments"), [
+    ('{"name":"add","arguments":{"a":1,"b":[2, {"c":"}"}]}}', '{"a":1,"b":[2, {"c":"}"}]}'),
+    ('\n { "arguments" : { "x" : "\\u00e9" } ,"name" : "add" }\n', '{ "x" : "\\u00e9" }'),
+    ('{"name": "add", "arguments": {"a": 1}, "arguments": {"a": 2}}', '{"a": 2}'),  # json.loads keeps the last
+    ('{"name": "add", "parameters": {"q": true}}', '{"q": true}'),
+    ('{"name": "add"}', "{}"),
+])
+def test_arguments_are_the_models_own_text(body: str, arguments: str) -> None:
+    text = f"<tool_call>{body}</tool_call>"
+    stream = ToolCallStream(SETUP)
+    for ch in text:
+        stream.feed(ch)
+    for reply in (parse_tool_calls(text, SETUP), stream.finish()):
+        assert [(c.name, c.arguments, c.complete) for c in reply.calls] == [("add", arguments, True)]
 
 
 @pytest.mark.parametrize(
