@@ -143,10 +143,15 @@ class ServerConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without max_tokens generates at most this many
     max_stored_responses: int = 4096  # /v1/responses answers kept for previous_response_id (0: none)
     reasoning_parser: str = "auto"  # "auto": a thinking model's reasoning as reasoning_content; "none": as text
+    # after SIGTERM / SIGINT, how long requests in flight may take before the engine ends them; 0 = at
+    # once (docs/architecture.md, "Shutdown")
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
+        if not 0 <= self.shutdown_timeout_s < float("inf"):  # NaN fails too
+            raise ValueError("shutdown_timeout_s must be a number of seconds >= 0")
         if self.max_stored_responses < 0:
             raise ValueError("max_stored_responses must be >= 0")
         if self.reasoning_parser not in ("auto", "none"):

@@ -186,6 +186,15 @@ class AsyncEngine:
         except Exception:
             log.exception("publishing the engine's metrics failed")
 
+    def end_all(self, error: str) -> None:
+        """Refuse new requests from now on (Unavailable) and end every request the engine holds,
+        running, queued or still in the inbox, at the engine thread's next turn (after the step in
+        progress): each choice's final Delta has finish_reason ABORT, `error` for the client, and the
+        usage computed so far, as a client's abort bills. The engine keeps running (shutdown drains
+        it); calling again ends whatever came in since. For the bounded shutdown (server/shutdown.py)."""
+        self._accepting = False
+        self._submit("abort_all", error)
+
     def _stop_at_exit(self) -> None:
         self._stop = True
         self._wake.set()
@@ -310,8 +319,8 @@ class AsyncEngine:
                     self.core.abort(arg)
                 except Exception:  # its session may be half-finished; the loop goes on
                     log.exception("aborting request %s failed", arg)
-            elif kind == "abort_all":
-                self.core.abort_all()
+            elif kind == "abort_all":  # arg: the error each request ends with (None: none)
+                self.core.abort_all(FinishReason.ABORT, error=arg)
             elif kind == "call":  # a function to run on this thread, its result to a Future
                 fn, fut = arg
                 try:

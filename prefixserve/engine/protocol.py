@@ -124,6 +124,12 @@ class EngineClient(Protocol):
         finds them. Who may flush what is the caller's check."""
         ...
 
+    def end_all(self, error: str) -> None:
+        """Refuse new requests (Unavailable) and end every request held, running or queued, soon
+        (between steps): each choice's last Delta has finish_reason ABORT, `error` for the client and
+        the usage computed so far. Returns at once. The bounded shutdown's cut (server/shutdown.py)."""
+        ...
+
     async def shutdown(self, drain: bool = True) -> None:
         """Stop accepting work; with drain, finish what is running first."""
         ...

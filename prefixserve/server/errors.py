@@ -61,6 +61,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def unavailable(message: str) -> APIError:
+    """A 503 the client may retry (here shortly, or on another replica): the server is shutting down
+    or its engine stopped."""
+    return APIError(503, message, code="service_unavailable", headers={"Retry-After": "5"})
+
+
 def error_type(status_code: int) -> str:
     if status_code >= 500:
         return _TYPE_BY_STATUS.get(status_code, "server_error")
@@ -142,8 +148,7 @@ def install_error_handlers(app: FastAPI) -> None:
                                        headers={"Retry-After": str(exc.retry_after_s)}))
 
     async def on_unavailable(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(APIError(503, str(exc) or "the engine is unavailable", code="service_unavailable",
-                                       headers={"Retry-After": "5"}))
+        return error_response(unavailable(str(exc) or "the engine is unavailable"))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)

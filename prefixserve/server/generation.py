@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.protocol import EngineClient
-from prefixserve.server.errors import APIError
+from prefixserve.server.errors import APIError, unavailable
 from prefixserve.server.multi import Usages, generate_all
 from prefixserve.server.responses import ChoiceOutput, Prepared
 from prefixserve.server.streaming import SSE_HEADERS, SSEResponse, aclose_shielded, next_delta, sse_events
@@ -32,11 +32,16 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+class EndedByServer(Exception):
+    """The engine ended the request unfinished (ABORT: the server is shutting down, EngineClient.end_all)."""
+
+
 async def respond(
     engine: EngineClient, prepared: Prepared, http_request: HTTPRequest, tracker: RequestTracker
 ) -> Response:
     """Serve `prepared`. Raises what the engine raises before its first delta (PromptTooLong -> 400
-    via the app's handlers); answers 500 in OpenAI's shape if the engine fails the request."""
+    via the app's handlers); answers 500 in OpenAI's shape if the engine fails the request, 503 if it
+    ends it before its response started (the server is shutting down)."""
     usages = Usages()
     engine_iter = generate_all(engine, prepared.requests, usages)
     handed_off = False
@@ -45,6 +50,8 @@ async def respond(
             first = await until_disconnect(http_request, next_delta(engine_iter))
             if first is None:
                 raise _engine_failed(tracker, None)
+            if first.finish_reason is FinishReason.ABORT:  # ended while queued: nothing was sent yet
+                raise EndedByServer(first.error or "the server is shutting down")
             handed_off = True
             return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker, prepared.num_choices,
                                           lambda: usages.final(engine, prepared.requests)),
@@ -56,6 +63,10 @@ async def respond(
         await aclose_shielded(engine_iter)  # the abort's own usage first: what was really computed
         tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except EndedByServer as e:  # billed as a client's abort is: what was computed
+        await aclose_shielded(engine_iter)
+        tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))
+        raise unavailable(str(e)) from None
     finally:
         if not handed_off:
             await aclose_shielded(engine_iter)
@@ -107,6 +118,8 @@ async def _collect(
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
+            if delta.finish_reason is FinishReason.ABORT:
+                raise EndedByServer(delta.error or "the server is shutting down")
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 raise _engine_failed(tracker, delta)
             choice.finish_reason = FinishReason(delta.finish_reason).value

@@ -133,10 +133,10 @@ class ResponseShape(Shape):
             self.keep(response)
         return response
 
-    def failure(self, message: str) -> dict[str, Any]:
+    def failure(self, message: str, type: str = "server_error", code: str | None = None) -> dict[str, Any]:
         """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream)."""
         response = {**self._response(self._output, None, None), "status": "failed",
-                    "error": {"code": "server_error", "message": message}}
+                    "error": {"code": code or type, "message": message}}
         return self._event("response.failed", response=response)
 
     def _delta(self, text: str) -> list[dict[str, Any]]:

@@ -83,9 +83,9 @@ class Shape:
         """Streamed: the reasoning tokens of every choice so far (0 where reasoning is never split off)."""
         return 0
 
-    def failure(self, message: str) -> dict[str, Any]:
+    def failure(self, message: str, type: str = "server_error", code: str | None = None) -> dict[str, Any]:
         """The event that ends a stream the server could not finish (OpenAI's error object)."""
-        return error_body(message, "server_error")
+        return error_body(message, type, code=code)
 
     chunk_object = ""
     ends_with_done = True  # the stream's last line is `data: [DONE]` (chat and completions, as OpenAI)

@@ -3,8 +3,9 @@ server/settings.py).
 
 Start-up checks everything it can before the model loads: a bad setting, an unusable file or
 directory (named by its flag), a port in use are each one line on stderr and exit status 2. On
-SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits for in-flight responses, streams
-included; then the app's lifespan drains the engine and closes the ledger, and `run_serve` returns 0.
+SIGTERM (or Ctrl-C) uvicorn stops accepting connections; requests in flight get up to
+--shutdown-timeout seconds, then the engine ends the rest (server/shutdown.py, docs/architecture.md,
+"Shutdown"); then the app's lifespan drains the engine and closes the ledger, and `run_serve` returns 0.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prefixserve.config import (
     default_data_dir,
     default_model_cache_dir,
 )
+from prefixserve.engine.protocol import EngineClient
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 from prefixserve.server.settings import api_key_specs, resolve_all
@@ -82,6 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
             default_max_tokens=s["default_max_tokens"],
             max_stored_responses=s["max_stored_responses"],
             reasoning_parser=s["reasoning_parser"],
+            shutdown_timeout_s=s["shutdown_timeout"],
         )
         keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
         make_dir("--data-dir", data_dir)
@@ -120,7 +123,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixserve.server.app import create_app
 
     app = create_app(engine, server_config, ledger, keys=keys)  # owns engine and ledger from here
-    return serve_app(app, server_config.host, server_config.port, s["log_level"], sock)
+    return serve_app(app, server_config.host, server_config.port, s["log_level"], sock, engine=engine,
+                     shutdown_timeout_s=server_config.shutdown_timeout_s)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -138,19 +142,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: socket.socket | None = None) -> int:
-    """Run uvicorn until SIGTERM / SIGINT, with graceful draining; 0 on a clean shutdown. `sock`: a
-    socket already bound to (host, port) (`bind_socket`); None binds here."""
+def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: socket.socket | None = None, *,
+              engine: EngineClient | None = None, shutdown_timeout_s: float = 30.0) -> int:
+    """Run uvicorn until SIGTERM / SIGINT, then shut down within `shutdown_timeout_s` (plus the time
+    the engine takes to end what is left: server/shutdown.py); 0 on a clean shutdown. `sock`: a socket
+    already bound to (host, port) (`bind_socket`); None binds here. `engine`: the app's, whose
+    requests are ended when the grace runs out."""
     import uvicorn
+
+    from prefixserve.server import shutdown
 
     config = uvicorn.Config(  # the access log line comes from server/middleware.py, after the response
         app, host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=5, access_log=False
     )
-    server = uvicorn.Server(config)
-    # uvicorn re-raises the signal it shut down for once it is done; by then the work is drained, so
-    # make that a no-op instead of a death by SIGTERM (exit status 143).
+    server = shutdown.GracefulServer(config, engine, shutdown_timeout_s)
+    # uvicorn installs the server's handler while it runs and puts back what it found: the same one,
+    # so a signal in the moments before and after is recorded too, never a death by SIGTERM
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)
+        signal.signal(sig, server.handle_exit)
     server.run(sockets=None if sock is None else [sock])
     # Drained and closed. A further SIGTERM (a supervisor repeating itself) must not turn this
     # clean exit into a death by signal: Python resets handlers to the default while it

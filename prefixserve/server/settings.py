@@ -8,6 +8,7 @@ which `run_serve` reports as a configuration error (exit status 2 too).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,6 +35,17 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError("a byte size must be >= 0")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """'30', '2.5', '0' -> seconds, a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not {text!r}")
     return value
 
 
@@ -77,6 +89,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "pricing": ("PREFIXSERVE_PRICING", str, None),
     "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
     "log_level": ("PREFIXSERVE_LOG_LEVEL", str, "info"),
+    "shutdown_timeout": ("PREFIXSERVE_SHUTDOWN_TIMEOUT", parse_seconds, ServerConfig().shutdown_timeout_s),
 }
 
 
@@ -156,6 +169,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="USD per million tokens for MODEL ('*' = any), overriding --pricing; repeatable")
     a("--no-ledger", action="store_true", default=None, help="do not record usage (PREFIXSERVE_NO_LEDGER=1)")
     a("--log-level", choices=("debug", "info", "warning", "error"), help="(PREFIXSERVE_LOG_LEVEL; default info)")
+    a("--shutdown-timeout", type=parse_seconds, metavar="SECONDS",
+      help="after SIGTERM / SIGINT, how long requests in flight may take to finish; then the engine ends the rest "
+           "(a stream gets an error event, others a 503; usage is recorded) and the server exits. 0: at once; a "
+           "second signal: now (PREFIXSERVE_SHUTDOWN_TIMEOUT; default 30; docs/architecture.md, \"Shutdown\")")
 
 
 def resolve(args: argparse.Namespace, dest: str, env: Mapping[str, str]) -> Any:

@@ -17,6 +17,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
+from prefixserve.server.errors import unavailable
 from prefixserve.server.responses import Shape
 from prefixserve.server.tracking import RequestTracker
 from prefixserve.types import Delta, FinishReason, Usage
@@ -44,8 +45,9 @@ async def sse_events(
     """The SSE body: opening chunks, chunks per delta (each with its choice's `index`), each choice's
     finish chunk, the usage chunk (when asked for), then ``data: [DONE]`` (not for the Responses API,
     whose stream ends with its last event, `Shape.ends_with_done`). An engine failure becomes
-    an OpenAI error event. A stream cut short is recorded with `abandoned_usage()` (asked once the
-    engine iterator is closed: the abort's worker truth), else the last usage seen."""
+    an OpenAI error event, and so does a request the engine ended (ABORT: the server is shutting down,
+    a 503's error). A stream cut short or ended so is recorded as an abort with `abandoned_usage()`
+    (asked once the engine iterator is closed: the abort's worker truth), else the last usage seen."""
     done = DONE if shape.ends_with_done else ""
     named = shape.named_events
     try:
@@ -57,6 +59,10 @@ async def sse_events(
         num_left = num_choices
         while delta is not None:
             tracker.on_delta(delta)
+            if delta.finish_reason is FinishReason.ABORT:  # ended by the server: the text it had, then the error
+                out.extend(sse(obj, named) for obj in shape.chunks(delta.index, delta.text, delta.logprobs, None,
+                                                                   delta.prompt_logprobs, delta.token_ids))
+                break
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 break
             reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason).value
@@ -71,6 +77,11 @@ async def sse_events(
                 yield "".join(out)
                 out = []
             delta = await next_delta(engine_iter)
+        if delta is not None and delta.finish_reason is FinishReason.ABORT:  # ended by the server: shutting down
+            err = unavailable(delta.error or "the server is shutting down")
+            logger.info("request %s ended by the server: %s", tracker.request_id, err.message)
+            yield "".join(out) + sse(shape.failure(err.message, err.type, err.code), named) + done
+            return  # recorded in `finally` as an abort, with what the engine computed
         if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:
             message = (
                 delta.error if delta is not None else None

@@ -282,3 +282,37 @@ def test_pooled_kv_buffers_share_the_session_budget():
     while core.has_work():
         core.step()
     pool.trim(0)
+
+
+def test_end_all_ends_running_and_queued_requests_billing_what_was_computed():
+    """The bounded shutdown's cut (server/shutdown.py): every request held ends at once with ABORT, the
+    error for its client and its usage so far; a request after it is refused; the engine still drains."""
+    engine = make_engine(max_num_seqs=1)
+    ps = prompts()
+
+    async def go():
+        running = engine.generate(request(ps[0], max_tokens=400, rid="running", ignore_eos=True))
+        out: list[int] = []
+        while len(out) < 3:  # decoding
+            out += (await running.__anext__()).token_ids
+        queued = asyncio.ensure_future(collect(engine, request(ps[1], rid="queued")))
+        await asyncio.sleep(0.3)  # waiting for the one session slot
+        engine.end_all("the server is shutting down")
+        last = None
+        async for d in running:
+            out += d.token_ids
+            last = d
+        queued_out, queued_last = await queued
+        with pytest.raises(Unavailable):
+            await collect(engine, request(ps[2]))
+        health = engine.health()
+        await engine.shutdown()  # drains: nothing left
+        return out, last, queued_out, queued_last, health
+
+    out, last, queued_out, queued_last, health = asyncio.run(go())
+    for d in (last, queued_last):
+        assert d is not None and d.finish_reason is FinishReason.ABORT and d.error == "the server is shutting down"
+    assert last.usage == Usage(prompt_tokens=len(ps[0]), completion_tokens=len(out), cached_tokens=last.usage.cached_tokens)
+    assert 3 <= len(out) < 400
+    assert queued_out == [] and queued_last.usage == Usage(0, 0, 0)  # bills nothing
+    assert health.ok and health.num_running == health.num_waiting == 0

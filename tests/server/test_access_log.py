@@ -73,12 +73,12 @@ def test_uvicorn_writes_no_access_line_of_its_own(monkeypatch: pytest.MonkeyPatc
         pass
 
     class FakeServer:
-        def __init__(self, config: Any) -> None:
+        def __init__(self, config: Any, engine: Any, grace_s: float) -> None:
             captured["access_log"] = config.access_log
             raise Stop
 
-    import uvicorn
-    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    from prefixserve.server import shutdown
+    monkeypatch.setattr(shutdown, "GracefulServer", FakeServer)
     with pytest.raises(Stop):
         run.serve_app(lambda *a: None, "127.0.0.1", 0)
     assert captured["access_log"] is False

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from prefixserve.config import ServerConfig
 from prefixserve.server import run, settings
 from prefixserve.server.auth import OPEN_TENANT_ID, KeyStore, bearer_token, parse_key_spec, read_keys_file
 from prefixserve.server.errors import APIError
@@ -113,6 +114,21 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert settings.split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
     with pytest.raises(ValueError, match="PREFIXSERVE_PORT='eighty'"):
         settings.resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
+    assert settings.resolve(_args(), "shutdown_timeout", {}) == 30.0
+    assert settings.resolve(_args(), "shutdown_timeout", {"PREFIXSERVE_SHUTDOWN_TIMEOUT": "2.5"}) == 2.5
+    assert settings.resolve(_args("--shutdown-timeout", "0"), "shutdown_timeout", {"PREFIXSERVE_SHUTDOWN_TIMEOUT": "9"}) == 0
+
+
+def test_shutdown_timeout_is_seconds_at_least_0() -> None:
+    assert settings.parse_seconds("30") == 30.0 and settings.parse_seconds("0") == 0.0
+    for bad in ("-1", "soon", "nan", "inf", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            settings.parse_seconds(bad)
+    with pytest.raises(SystemExit) as e:  # argparse's usage error
+        _args("--shutdown-timeout", "-1")
+    assert e.value.code == 2
+    with pytest.raises(ValueError, match="shutdown_timeout_s"):
+        ServerConfig(shutdown_timeout_s=float("nan"))
 
 
 def test_bad_configuration_exits_2_before_loading_a_model(tmp_path: Path, capsys: Any) -> None:
@@ -216,6 +232,6 @@ def test_an_unwritable_ledger_directory_is_named(tmp_path: Path, capsys: Any, no
 def test_a_bad_environment_value_is_a_configuration_error(
     tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, no_model: None
 ) -> None:
-    monkeypatch.setenv("PREFIXSERVE_MAX_NUM_SEQS", "many")
+    monkeypatch.setenv("PREFIXSERVE_SHUTDOWN_TIMEOUT", "-5")
     assert run.run_serve(_args("--data-dir", str(tmp_path), "--no-ledger")) == 2
-    assert "PREFIXSERVE_MAX_NUM_SEQS='many'" in _one_error_line(capsys)
+    assert "PREFIXSERVE_SHUTDOWN_TIMEOUT='-5'" in _one_error_line(capsys)
