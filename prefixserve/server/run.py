@@ -23,6 +23,7 @@ from typing import Any
 
 from prefixserve.config import (
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     ServerConfig,
@@ -111,6 +112,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("loading the model ...")
     try:
         engine = build_engine(model_config, cache_config, engine_config)
+    except ConfigError as e:  # a setting the model loaded cannot work with (config.py)
+        print(f"prefixserve serve: {e}", file=sys.stderr)
+        _close(ledger)
+        sock.close()
+        return 2
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
         _close(ledger)

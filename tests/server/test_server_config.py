@@ -235,3 +235,27 @@ def test_a_bad_environment_value_is_a_configuration_error(
     monkeypatch.setenv("PREFIXSERVE_SHUTDOWN_TIMEOUT", "-5")
     assert run.run_serve(_args("--data-dir", str(tmp_path), "--no-ledger")) == 2
     assert "PREFIXSERVE_SHUTDOWN_TIMEOUT='-5'" in _one_error_line(capsys)
+
+
+def test_a_setting_the_model_cannot_work_with_is_a_configuration_error(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ConfigError is found while the engine is built (config.session_tokens): one line, status 2, no traceback."""
+    import signal
+
+    import prefixserve.engine
+    from prefixserve.config import ConfigError
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ConfigError("--max-session-bytes 1,000 holds 0 tokens of this model's KV")
+
+    monkeypatch.setattr(prefixserve.engine, "build_engine", refuse)
+    with socket.socket() as s:  # a free port, for the bind run_serve does before the load
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    handler = signal.getsignal(signal.SIGTERM)  # run_serve sets its own for the load
+    try:
+        assert run.run_serve(_args("--data-dir", str(tmp_path), "--no-ledger", "--port", str(port))) == 2
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert "--max-session-bytes 1,000 holds 0 tokens" in _one_error_line(capsys)
