@@ -61,6 +61,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+SHUTTING_DOWN = "the server is shutting down"  # what a request the shutdown ended says (server/shutdown.py)
+
+
 def unavailable(message: str) -> APIError:
     """A 503 the client may retry (here shortly, or on another replica): the server is shutting down
     or its engine stopped."""

@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.protocol import EngineClient
-from prefixserve.server.errors import APIError, unavailable
+from prefixserve.server.errors import SHUTTING_DOWN, APIError, unavailable
 from prefixserve.server.multi import Usages, generate_all
 from prefixserve.server.responses import ChoiceOutput, Prepared
 from prefixserve.server.streaming import SSE_HEADERS, SSEResponse, aclose_shielded, next_delta, sse_events
@@ -51,7 +51,7 @@ async def respond(
             if first is None:
                 raise _engine_failed(tracker, None)
             if first.finish_reason is FinishReason.ABORT:  # ended while queued: nothing was sent yet
-                raise EndedByServer(first.error or "the server is shutting down")
+                raise EndedByServer(first.error or SHUTTING_DOWN)
             handed_off = True
             return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker, prepared.num_choices,
                                           lambda: usages.final(engine, prepared.requests)),
@@ -119,7 +119,7 @@ async def _collect(
             choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             if delta.finish_reason is FinishReason.ABORT:
-                raise EndedByServer(delta.error or "the server is shutting down")
+                raise EndedByServer(delta.error or SHUTTING_DOWN)
             if delta.finish_reason is FinishReason.ERROR or delta.error:
                 raise _engine_failed(tracker, delta)
             choice.finish_reason = FinishReason(delta.finish_reason).value

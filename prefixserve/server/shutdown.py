@@ -24,10 +24,10 @@ from types import FrameType
 import uvicorn
 
 from prefixserve.engine.protocol import EngineClient
+from prefixserve.server.errors import SHUTTING_DOWN
 
 logger = logging.getLogger("prefixserve.server")
 
-SHUTTING_DOWN = "the server is shutting down"
 # after the engine has ended the requests: how long their responses may take to go out (a final
 # event, a 503) before the connections still open are cancelled (a client that stopped reading)
 SETTLE_S = 5.0

@@ -17,7 +17,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from prefixserve.server.errors import unavailable
+from prefixserve.server.errors import SHUTTING_DOWN, unavailable
 from prefixserve.server.responses import Shape
 from prefixserve.server.tracking import RequestTracker
 from prefixserve.types import Delta, FinishReason, Usage
@@ -78,7 +78,7 @@ async def sse_events(
                 out = []
             delta = await next_delta(engine_iter)
         if delta is not None and delta.finish_reason is FinishReason.ABORT:  # ended by the server: shutting down
-            err = unavailable(delta.error or "the server is shutting down")
+            err = unavailable(delta.error or SHUTTING_DOWN)
             logger.info("request %s ended by the server: %s", tracker.request_id, err.message)
             yield "".join(out) + sse(shape.failure(err.message, err.type, err.code), named) + done
             return  # recorded in `finally` as an abort, with what the engine computed
