@@ -92,6 +92,10 @@ class Request:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_choices: int = 1  # n: the prompt is prefilled once, each choice continues from its own copy
+    # the client sends this turn back as text (a chat history, a text prompt + the completion): the
+    # finished turn is cached as the tokenizer encodes its reply; False: as sampled (a prompt of token
+    # ids, whose client sends the ids back). engine/inserts.py offer_turn
+    text_history: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:

@@ -92,21 +92,43 @@ def offer_turn(core: EngineCore, s: Session) -> None:
 
     Dense decode runs the prefill calls, so the session's state is exact as it is (the reply's
     last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
-    recomputation's: the state goes to `core.refills` (engine/refill.py) to be re-fed by prefill."""
+    recomputation's: the state goes to `core.refills` (engine/refill.py) to be re-fed by prefill.
+    A reply a client sends back as text is cached as the tokenizer encodes it (`echoed_turn`): from
+    where the sampled tokens split the text otherwise, that is a refill in either mode."""
     st = s.state
     if not core.config.offer_finished_turns or st is None or not s.output_ids or not s.cacheable:
         return
     if not core.exact_reuse or core.cache.config.max_bytes == 0:
         return
     dense = core.runner.decoder.decode_matches_prefill
+    ns, prompt = s.request.namespace, tuple(s.request.prompt_ids)
+    echoed = echoed_turn(core, s)
+    if echoed is not None:  # re-fed from the first token where the two differ (dense) or whole (4-bit)
+        same = next((k for k, (a, b) in enumerate(zip(echoed, s.output_ids)) if a != b), len(echoed))
+        num_exact = s.prompt_len + min(same, st.num_tokens - s.prompt_len) if dense else s.prompt_len
+        turn = prompt + echoed
+        if core.cache.get(ns, turn) is None and not core.refills.holds(ns, turn):
+            core.refills.offer(ns, turn, st, num_exact)
+        return
     if dense and st.num_tokens <= s.prompt_len:
         return
     # dense: the state as it is (the reply's last token was never fed); 4-bit: the whole turn, re-fed
     reply = s.output_ids[: st.num_tokens - s.prompt_len] if dense else s.output_ids
-    ns, turn = s.request.namespace, tuple(s.request.prompt_ids) + tuple(reply)
+    turn = prompt + tuple(reply)
     if core.cache.get(ns, turn) is not None or core.refills.holds(ns, turn):
         return  # this very turn is cached or on its way (a repeated request): a copy or a re-feed would only find it there
     if dense:
         store(core, ns, turn, st)
     else:
         core.refills.offer(ns, turn, st, s.prompt_len)
+
+
+def echoed_turn(core: EngineCore, s: Session) -> tuple[int, ...] | None:
+    """The reply as its client will send it back, where that differs from the sampled tokens (a text
+    history re-encoded: models/tokenizer.py `echoed`); None where the sampled tokens serve: the client
+    sends ids, the encoding is the same or cannot be told, or the state cannot go back to re-feed."""
+    st = s.state
+    if not s.request.text_history or st is None or not st.truncatable:
+        return None
+    echoed = core.tokenizer.echoed(s.request.prompt_ids, s.output_ids)
+    return None if echoed is None or echoed == tuple(s.output_ids) else echoed

@@ -77,6 +77,11 @@ class TokenizerLike(Protocol):
         which decoding the single id turns into U+FFFD (logprobs' `bytes`, server/logprobs.py)."""
         ...
 
+    def echoed(self, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
+        """The reply's ids as a client's next request holds them when it sends the reply back as text;
+        None where that cannot be told (models/tokenizer.py)."""
+        ...
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],

@@ -15,6 +15,7 @@ from prefixserve.types import TemplateError
 
 MARK_OPEN, MARK_CLOSE = "\ue000\ue001", "\ue002"  # private-use characters around a written text's number
 MARK = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
+ECHO_CONTEXT = 64  # prompt tokens before a reply that `echoed` re-encodes with it, at most
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: one raw byte
 
 
@@ -47,6 +48,8 @@ class Tokenizer:
         # the control tokens' texts: in a chat message they are text, never the tokens (render_chat)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
+        self._special_ids = {i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
+                             if getattr(t, "special", False)}
         # a thinking model's </think> token, which ends a reply's reasoning (server/reasoning.py); else None
         self.think_end_id = _think_end_id(hf_tokenizer)
         self.thinks = self.think_end_id is not None
@@ -131,6 +134,36 @@ class Tokenizer:
                 elif piece:
                     ids += self.hf.encode(piece, add_special_tokens=False)
             return ids
+
+    def echoed(self, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
+        """The reply's ids as a client's next request holds them when it sends the reply back as text
+        (a chat history, a completion's prompt + text): a model may sample another split of the same
+        text than the tokenizer's ("\n\n" then "1" where encoding gives "\n" then "\n1"), and the next
+        turn's cache hit would end there (docs/cache.md, "Finished turns"). The encoding of the prompt's
+        last text run (after its last added token, where encoding starts afresh) followed by the reply's
+        text, less that run; a stop token ending the reply stays as it is. A run longer than
+        ECHO_CONTEXT tokens is cut to its last ones: splitting text into words looks a few characters
+        back, so the reply's tokens come out the same, and the work stays small (a wrong guess would
+        only cost a cache hit: the entry is exact for its key whatever it is). None where that
+        encoding would not be the next request's: a prompt run that does not encode to itself, a reply
+        holding control tokens or their text."""
+        end = next((k for k, t in enumerate(reply_ids) if t in self.eos_token_ids), len(reply_ids))
+        content, rest = list(reply_ids[:end]), tuple(reply_ids[end:])
+        start = len(prompt_ids)
+        while start > 0 and prompt_ids[start - 1] not in self._added and len(prompt_ids) - start < ECHO_CONTEXT:
+            start -= 1
+        run = list(prompt_ids[start:])
+        if any(t in self._special_ids for t in content):
+            return None
+        with self._lock:
+            run_text = self.hf.decode(run, skip_special_tokens=False) if run else ""
+            text = self.hf.decode(content, skip_special_tokens=False)
+            if self._specials is not None and self._specials.search(text):
+                return None
+            ids = list(self.hf.encode(run_text + text, add_special_tokens=False))
+        if ids[: len(run)] != run:
+            return None
+        return tuple(ids[len(run):]) + rest
 
     def _marked(self, value: Any, written: list[str]) -> Any:
         """`value` with each string that spells a control token replaced by a marker (its text kept in

@@ -73,7 +73,10 @@ def prepare_completion(
                             echo=tuple((engine.tokenizer.decode(ids), ids[0]) for ids in prompts) if body.echo else (),
                             per_prompt=best_of)
     first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
-    more = tuple(replace(first.request, request_id=f"{shape.id}-{k}", prompt_ids=tuple(ids))
+    texts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list) else [body.prompt]
+    first = replace(first, request=replace(first.request, text_history=isinstance(texts[0], str)))
+    more = tuple(replace(first.request, request_id=f"{shape.id}-{k}", prompt_ids=tuple(ids),
+                         text_history=isinstance(texts[k], str))
                  for k, ids in enumerate(prompts[1:], 1))
     return replace(first, more=more)
 
