@@ -142,6 +142,9 @@ class ServerConfig:
     pricing_path: str | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without max_tokens generates at most this many
     max_stored_responses: int = 4096  # /v1/responses answers kept for previous_response_id (0: none)
+    # their SQLite file (server/response_disk.py); None: memory only, gone at restart (`serve` sets
+    # <data_dir>/responses.sqlite3 unless --no-responses-persist)
+    responses_path: str | None = None
     reasoning_parser: str = "auto"  # "auto": a thinking model's reasoning as reasoning_content; "none": as text
     # after SIGTERM / SIGINT, how long requests in flight may take before the engine ends them; 0 = at
     # once (docs/architecture.md, "Shutdown")

@@ -1,8 +1,9 @@
 """The FastAPI application: routes, auth, lifespan.
 
-`create_app(engine, server_config, ledger=None)` takes ownership of the engine and the ledger: at
-shutdown (after uvicorn has drained in-flight connections) it calls ``engine.shutdown(drain=True)``
-and ``ledger.close()``. No module-level state: everything lives in the closure of one app.
+`create_app(engine, server_config, ledger=None)` takes ownership of the engine, the ledger and the
+stored responses: at shutdown (after uvicorn has drained in-flight connections) it calls
+``engine.shutdown(drain=True)``, ``ledger.close()`` and the response store's ``close()``. No
+module-level state: everything lives in the closure of one app.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from prefixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixserve.server.middleware import RequestCounter
 from prefixserve.server.prompt_memo import NotRemembered, PromptMemo
 from prefixserve.server.response_items import listed
-from prefixserve.server.response_store import ResponseStore, Stored
+from prefixserve.server.response_store import ResponseStore, Stored, open_response_store
 from prefixserve.server.responses import Prepared
 from prefixserve.server.responses_api import prepare_response
 from prefixserve.server.schemas import (
@@ -55,17 +56,20 @@ def create_app(
     ledger: Any | None = None,
     *,
     keys: KeyStore | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """An app serving `engine`. `keys` defaults to the key specs in `server_config.api_keys`
     ('KEY' or 'TENANT KEY') plus its admin key. `ledger` (a prefixserve.ledger.Ledger) gets one
-    record per finished or aborted generation request; None disables usage recording and /v1/usage."""
+    record per finished or aborted generation request; None disables usage recording and /v1/usage.
+    `response_store` defaults to the store `server_config` describes (`max_stored_responses`, `responses_path`)."""
     keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
     metrics = ServerMetrics(engine)
     chat_prepare = functools.update_wrapper(  # named as prepare_chat in traces
         functools.partial(prepare_chat, think_split=server_config.reasoning_parser != "none"), prepare_chat)
     memo = PromptMemo()  # recently encoded prompts, per namespace (server/prompt_memo.py)
-    # finished /v1/responses answers, per tenant (server/response_store.py); None: none are kept
-    stored = ResponseStore(server_config.max_stored_responses) if server_config.max_stored_responses else None
+    # finished /v1/responses answers, per tenant, on disk too with a path (server/response_store.py); None: none kept
+    stored = (response_store if response_store is not None
+              else open_response_store(server_config.max_stored_responses, server_config.responses_path))
     started = int(time.time())
 
     @asynccontextmanager
@@ -81,6 +85,8 @@ def create_app(
             await engine.shutdown(drain=True)
             if ledger is not None:
                 await run_in_threadpool(ledger.close)
+            if stored is not None:  # commits the last stored responses to disk
+                await run_in_threadpool(stored.close)
             logger.info("shut down")
 
     app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None)

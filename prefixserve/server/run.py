@@ -5,7 +5,8 @@ Start-up checks everything it can before the model loads: a bad setting, an unus
 directory (named by its flag), a port in use are each one line on stderr and exit status 2. On
 SIGTERM (or Ctrl-C) uvicorn stops accepting connections; requests in flight get up to
 --shutdown-timeout seconds, then the engine ends the rest (server/shutdown.py, docs/architecture.md,
-"Shutdown"); then the app's lifespan drains the engine and closes the ledger, and `run_serve` returns 0.
+"Shutdown"); then the app's lifespan drains the engine and closes the ledger and the stored responses'
+file, and `run_serve` returns 0.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prefixserve.config import (
 from prefixserve.engine.protocol import EngineClient
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
+from prefixserve.server.response_store import open_response_store
 from prefixserve.server.settings import api_key_specs, resolve_all
 
 logger = logging.getLogger("prefixserve.server")
@@ -42,6 +44,7 @@ logger = logging.getLogger("prefixserve.server")
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM / Ctrl-C, drain, return 0. Configuration errors return 2."""
     env = os.environ
+    responses = None
     try:
         s = resolve_all(args, env)
         logging.basicConfig(
@@ -84,6 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
             pricing_path=s["pricing"],
             default_max_tokens=s["default_max_tokens"],
             max_stored_responses=s["max_stored_responses"],
+            responses_path=None if s["no_responses_persist"] else s["responses_path"] or str(data_dir / "responses.sqlite3"),
             reasoning_parser=s["reasoning_parser"],
             shutdown_timeout_s=s["shutdown_timeout"],
         )
@@ -92,17 +96,21 @@ def run_serve(args: argparse.Namespace) -> int:
         if cache_config.disk_max_bytes and cache_config.disk_dir:  # one that cannot be made is a config error;
             # one that exists read-only is served from, with a warning (docs/cache.md, "Disk failures")
             make_dir("--cache-dir" if s["cache_dir"] else "--data-dir", Path(cache_config.disk_dir), mode=0o700)
+        # stored /v1/responses answers, read back from their file (server/response_disk.py)
+        responses = open_response_store(server_config.max_stored_responses, server_config.responses_path,
+                                        "--responses-path" if s["responses_path"] else "--data-dir")
         ledger = None if s["no_ledger"] else open_ledger(server_config, getattr(args, "prices", None) or (),
                                                          "--ledger-path" if s["ledger_path"] else "--data-dir")
     except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
         print(f"prefixserve serve: {e}", file=sys.stderr)
+        _close(responses)
         return 2
     try:  # the port is ours before the model loads: a port in use is an error now, not after the load
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as e:
         print(f"prefixserve serve: cannot listen on {server_config.host}:{server_config.port}: "
               f"{e.strerror or e}", file=sys.stderr)
-        _close(ledger)
+        _close(ledger, responses)
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
@@ -114,21 +122,22 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_engine(model_config, cache_config, engine_config)
     except ConfigError as e:  # a setting the model loaded cannot work with (config.py)
         print(f"prefixserve serve: {e}", file=sys.stderr)
-        _close(ledger)
+        _close(ledger, responses)
         sock.close()
         return 2
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
-        _close(ledger)
+        _close(ledger, responses)
         sock.close()
         return 1
     except BaseException:
-        _close(ledger)
+        _close(ledger, responses)
         sock.close()
         raise
     from prefixserve.server.app import create_app
 
-    app = create_app(engine, server_config, ledger, keys=keys)  # owns engine and ledger from here
+    # owns engine, ledger and stored responses from here
+    app = create_app(engine, server_config, ledger, keys=keys, response_store=responses)
     return serve_app(app, server_config.host, server_config.port, s["log_level"], sock, engine=engine,
                      shutdown_timeout_s=server_config.shutdown_timeout_s)
 
@@ -232,9 +241,11 @@ def read_keys_file_for_flag(path: str) -> list[str]:
         raise ValueError(f"--api-keys-file {e}") from None
 
 
-def _close(ledger: Any | None) -> None:
-    if ledger is not None:
-        ledger.close()
+def _close(*owned: Any | None) -> None:
+    """Close the ledger and the response store (each None when off) on a start that fails."""
+    for thing in owned:
+        if thing is not None:
+            thing.close()
 
 
 def _exit_now(signum: int, frame: Any) -> None:

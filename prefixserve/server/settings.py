@@ -88,6 +88,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "ledger_path": ("PREFIXSERVE_LEDGER_PATH", str, None),
     "pricing": ("PREFIXSERVE_PRICING", str, None),
     "no_ledger": ("PREFIXSERVE_NO_LEDGER", _flag, False),
+    "responses_path": ("PREFIXSERVE_RESPONSES_PATH", str, None),  # None = <data dir>/responses.sqlite3
+    "no_responses_persist": ("PREFIXSERVE_NO_RESPONSES_PERSIST", _flag, False),
     "log_level": ("PREFIXSERVE_LOG_LEVEL", str, "info"),
     "shutdown_timeout": ("PREFIXSERVE_SHUTDOWN_TIMEOUT", parse_seconds, ServerConfig().shutdown_timeout_s),
 }
@@ -143,16 +145,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "session budget; /health and /v1/models "
            f"report it (PREFIXSERVE_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS}; completions: OpenAI's 16)")
     a("--max-stored-responses", type=int, metavar="N",
-      help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id}, in all; "
-           "past it the tenant holding the most loses its least recently used; 0 keeps none "
-           "(PREFIXSERVE_MAX_STORED_RESPONSES; default 4096)")
+      help="/v1/responses answers kept for previous_response_id and GET /v1/responses/{id}, in all (and at most "
+           "64 MiB of text), in memory and in --responses-path; past it the tenant holding the most loses its least "
+           "recently used; 0 keeps none (PREFIXSERVE_MAX_STORED_RESPONSES; default 4096)")
     a("--reasoning-parser", choices=["auto", "none"],
       help="auto: a thinking model's <think> block as reasoning_content (chat); none: left in the text "
            "(PREFIXSERVE_REASONING_PARSER; default auto)")
     a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400; at least 64 tokens of the model's KV (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
-    a("--data-dir", metavar="DIR", help="usage ledger and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
+    a("--data-dir", metavar="DIR", help="usage ledger, stored responses and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
       "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     a("--model-cache-dir", metavar="DIR",
       help="prepared-model cache: a GGUF's runtime weights and tokenizer, verified by digest, so later starts take "
@@ -168,6 +170,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--price", action="append", dest="prices", metavar="MODEL=IN,CACHED,OUT",
       help="USD per million tokens for MODEL ('*' = any), overriding --pricing; repeatable")
     a("--no-ledger", action="store_true", default=None, help="do not record usage (PREFIXSERVE_NO_LEDGER=1)")
+    a("--responses-path", metavar="FILE",
+      help="SQLite file of the stored /v1/responses answers, read back at start so they survive a restart "
+           "(PREFIXSERVE_RESPONSES_PATH; default <data-dir>/responses.sqlite3)")
+    a("--no-responses-persist", action="store_true", default=None,
+      help="keep stored responses in memory only, gone at restart (PREFIXSERVE_NO_RESPONSES_PERSIST=1)")
     a("--log-level", choices=("debug", "info", "warning", "error"), help="(PREFIXSERVE_LOG_LEVEL; default info)")
     a("--shutdown-timeout", type=parse_seconds, metavar="SECONDS",
       help="after SIGTERM / SIGINT, how long requests in flight may take to finish; then the engine ends the rest "
