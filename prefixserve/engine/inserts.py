@@ -94,7 +94,8 @@ def offer_turn(core: EngineCore, s: Session) -> None:
     last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
     recomputation's: the state goes to `core.refills` (engine/refill.py) to be re-fed by prefill.
     A reply a client sends back as text is cached as the tokenizer encodes it (`echoed_turn`): from
-    where the sampled tokens split the text otherwise, that is a refill in either mode."""
+    where the sampled tokens split the text otherwise, that is a refill in either mode (a hybrid's
+    from a copy of the prompt's cached entry: its recurrent state cannot go back)."""
     st = s.state
     if not core.config.offer_finished_turns or st is None or not s.output_ids or not s.cacheable:
         return
@@ -104,11 +105,14 @@ def offer_turn(core: EngineCore, s: Session) -> None:
     ns, prompt = s.request.namespace, tuple(s.request.prompt_ids)
     echoed = echoed_turn(core, s)
     if echoed is not None:  # re-fed from the first token where the two differ (dense) or whole (4-bit)
-        same = next((k for k, (a, b) in enumerate(zip(echoed, s.output_ids)) if a != b), len(echoed))
-        num_exact = s.prompt_len + min(same, st.num_tokens - s.prompt_len) if dense else s.prompt_len
         turn = prompt + echoed
-        if core.cache.get(ns, turn) is None and not core.refills.holds(ns, turn):
-            core.refills.offer(ns, turn, st, num_exact)
+        if core.cache.get(ns, turn) is not None or core.refills.holds(ns, turn):
+            return
+        if st.truncatable:
+            same = next((k for k, (a, b) in enumerate(zip(echoed, s.output_ids)) if a != b), len(echoed))
+            core.refills.offer(ns, turn, st, s.prompt_len + min(same, st.num_tokens - s.prompt_len) if dense else s.prompt_len)
+        elif (start := resume_state(core, ns, prompt, len(echoed))) is not None:
+            core.refills.offer(ns, turn, start, start.num_tokens)
         return
     if dense and st.num_tokens <= s.prompt_len:
         return
@@ -126,9 +130,16 @@ def offer_turn(core: EngineCore, s: Session) -> None:
 def echoed_turn(core: EngineCore, s: Session) -> tuple[int, ...] | None:
     """The reply as its client will send it back, where that differs from the sampled tokens (a text
     history re-encoded: models/tokenizer.py `echoed`); None where the sampled tokens serve: the client
-    sends ids, the encoding is the same or cannot be told, or the state cannot go back to re-feed."""
-    st = s.state
-    if not s.request.text_history or st is None or not st.truncatable:
+    sends ids, or the encoding is the same or cannot be told."""
+    if not s.request.text_history or s.state is None:
         return None
     echoed = core.tokenizer.echoed(s.request.prompt_ids, s.output_ids)
     return None if echoed is None or echoed == tuple(s.output_ids) else echoed
+
+
+def resume_state(core: EngineCore, ns: Namespace, prompt: tuple[int, ...], room: int) -> SessionState | None:
+    """A state to re-feed a turn from, for a session whose own cannot go back (a hybrid's recurrent
+    layers): a copy of the prompt's cached entry, inserted as the prompt finished (None once evicted).
+    The copy is made at once, on the engine thread, so the entry needs no pin."""
+    entry = core.cache.get(ns, prompt)
+    return None if entry is None else entry.state.restore(len(prompt), room, core.runner.kv_pool)

@@ -38,8 +38,9 @@ def make_engine(model, max_bytes: int, chunk: int = 64) -> AsyncEngine:
 
 
 async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int = 8) -> tuple[list[int], Usage]:
+    # the tests send the ids back as they got them (a random model's bytes need not be text)
     req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True))
+                                                                   ignore_eos=True), text_history=False)
     out: list[int] = []
     usage = None
     async for d in engine.generate(req):
