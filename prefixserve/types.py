@@ -86,6 +86,20 @@ MAX_CHOICES = 16  # n per request
 
 
 @dataclass(frozen=True, slots=True)
+class HistoryForm:
+    """How a chat's next request writes this turn's reply back into its history, where that is not
+    prompt + reply (models/tokenizer.py `history_form` and `next_turn`; docs/cache.md "Finished
+    turns"): the history lacks the prompt's last `drop` tokens (the empty think block Qwen3's template
+    writes into a generation prompt with thinking off), writes `lead` before the reply's text, and,
+    for a reply whose reasoning the server splits off (`thinking` not None; True: the prompt opened
+    the <think> block), holds only the answer."""
+
+    drop: int = 0
+    lead: str = ""
+    thinking: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Request:
     request_id: str
     namespace: Namespace
@@ -96,6 +110,7 @@ class Request:
     # finished turn is cached as the tokenizer encodes its reply; False: as sampled (a prompt of token
     # ids, whose client sends the ids back). engine/inserts.py offer_turn
     text_history: bool = True
+    history: HistoryForm | None = None  # a chat's: how its template writes the reply back (None: as it follows the prompt)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:

@@ -148,8 +148,11 @@ class _NoTokenizer:
     def encode(self, text: str) -> list[int]:
         return []
 
-    def echoed(self, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
+    def next_turn(self, prompt_ids: Sequence[int], reply_ids: Sequence[int], form: Any = None) -> tuple[int, ...] | None:
         return None  # no text: the bench's turns are cached as sampled
+
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
+        return 0, ""
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -149,12 +149,15 @@ class PrefixCache(Generic[S]):
         return None if space is None else space.index.get(tuple(token_ids))
 
     def best_len(self, ns: Namespace, token_ids: Sequence[int]) -> int:
-        """How many tokens of the prompt `lookup` would serve now, without counting or touching
-        anything (for deciding whether a lower tier holds more). Does not mutate."""
+        """How many tokens `lookup` would serve now (whether a lower tier holds more). Does not mutate."""
+        hit = self.peek(ns, token_ids)
+        return hit.num_cached_tokens if isinstance(hit, Hit) else 0
+
+    def peek(self, ns: Namespace, token_ids: Sequence[int]) -> Hit[S] | Miss:
+        """What `lookup` would return, without counting or touching recency. Does not mutate."""
         space = self._spaces.get(ns)
-        if space is None or space.index.num_entries == 0:
-            return 0
-        return space.index.match(tuple(token_ids)).num_cached_tokens
+        match = None if space is None or space.index.num_entries == 0 else space.index.match(tuple(token_ids))
+        return Miss(0) if match is None or match.entry is None else Hit(match.entry, match.num_cached_tokens, match.lcp_len)
 
     def evict(self, num_bytes: int) -> int:
         """Evict least recently used unpinned entries until at least `num_bytes` are freed or none

@@ -93,9 +93,9 @@ def offer_turn(core: EngineCore, s: Session) -> None:
     Dense decode runs the prefill calls, so the session's state is exact as it is (the reply's
     last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
     recomputation's: the state goes to `core.refills` (engine/refill.py) to be re-fed by prefill.
-    A reply a client sends back as text is cached as the tokenizer encodes it (`echoed_turn`): from
-    where the sampled tokens split the text otherwise, that is a refill in either mode (a hybrid's
-    from a copy of the prompt's cached entry: its recurrent state cannot go back)."""
+    A reply a client sends back as text is keyed as its next request will hold it (`next_turn_key`):
+    from where that differs from what the state holds, it is a refill in either mode (a hybrid's from
+    a cached state: its recurrent state cannot go back)."""
     st = s.state
     if not core.config.offer_finished_turns or st is None or not s.output_ids or not s.cacheable:
         return
@@ -103,16 +103,19 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         return
     dense = core.runner.decoder.decode_matches_prefill
     ns, prompt = s.request.namespace, tuple(s.request.prompt_ids)
-    echoed = echoed_turn(core, s)
-    if echoed is not None:  # re-fed from the first token where the two differ (dense) or whole (4-bit)
-        turn = prompt + echoed
-        if core.cache.get(ns, turn) is not None or core.refills.holds(ns, turn):
+    key = next_turn_key(core, s)
+    if key is not None:
+        if core.cache.get(ns, key) is not None or core.refills.holds(ns, key):
             return
-        if st.truncatable:
-            same = next((k for k, (a, b) in enumerate(zip(echoed, s.output_ids)) if a != b), len(echoed))
-            core.refills.offer(ns, turn, st, s.prompt_len + min(same, st.num_tokens - s.prompt_len) if dense else s.prompt_len)
-        elif (start := resume_state(core, ns, prompt, len(echoed))) is not None:
-            core.refills.offer(ns, turn, start, start.num_tokens)
+        fed = prompt + tuple(s.output_ids[: st.num_tokens - s.prompt_len]) if dense else prompt  # exact in st
+        same = next((k for k, (a, b) in enumerate(zip(key, fed)) if a != b), min(len(key), len(fed)))
+        if st.truncatable and same == len(key):  # nothing to re-feed (a reply the history leaves out)
+            st.truncate(same)
+            store(core, ns, key, st)
+        elif st.truncatable:
+            core.refills.offer(ns, key, st, same)
+        elif (start := resume_state(core, ns, key, same)) is not None and start.num_tokens < len(key):
+            core.refills.offer(ns, key, start, start.num_tokens)
         return
     if dense and st.num_tokens <= s.prompt_len:
         return
@@ -127,19 +130,30 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         core.refills.offer(ns, turn, st, s.prompt_len)
 
 
-def echoed_turn(core: EngineCore, s: Session) -> tuple[int, ...] | None:
-    """The reply as its client will send it back, where that differs from the sampled tokens (a text
-    history re-encoded: models/tokenizer.py `echoed`); None where the sampled tokens serve: the client
-    sends ids, or the encoding is the same or cannot be told."""
+def next_turn_key(core: EngineCore, s: Session) -> tuple[int, ...] | None:
+    """The turn as its client's next request will hold it, where that is not prompt + sampled reply
+    (models/tokenizer.py `next_turn`: the reply's text re-encoded, a chat template's own form); None
+    where the sampled tokens serve: the client sends ids, or that cannot be told."""
     if not s.request.text_history or s.state is None:
         return None
-    echoed = core.tokenizer.echoed(s.request.prompt_ids, s.output_ids)
-    return None if echoed is None or echoed == tuple(s.output_ids) else echoed
+    key = core.tokenizer.next_turn(s.request.prompt_ids, s.output_ids, s.request.history)
+    return None if key is None or key == tuple(s.request.prompt_ids) + tuple(s.output_ids) else key
 
 
-def resume_state(core: EngineCore, ns: Namespace, prompt: tuple[int, ...], room: int) -> SessionState | None:
-    """A state to re-feed a turn from, for a session whose own cannot go back (a hybrid's recurrent
-    layers): a copy of the prompt's cached entry, inserted as the prompt finished (None once evicted).
-    The copy is made at once, on the engine thread, so the entry needs no pin."""
-    entry = core.cache.get(ns, prompt)
-    return None if entry is None else entry.state.restore(len(prompt), room, core.runner.kv_pool)
+MAX_REFEED_PROMPT = 512  # prompt tokens a hybrid's turn refill may re-feed below where the key leaves the prompt
+
+
+def resume_state(core: EngineCore, ns: Namespace, key: tuple[int, ...], exact: int) -> SessionState | None:
+    """A state to re-feed `key` from, for a session whose own cannot go back to `exact`, where the key
+    leaves what it holds (a hybrid's recurrent layers): a copy of the cached entry or checkpoint that
+    serves most of the key (the prompt's own, inserted as the prompt finished, or one of its recurrent
+    checkpoints when the key leaves the prompt: docs/hybrid.md), or a new state for a short key. None
+    when that would re-feed more than MAX_REFEED_PROMPT tokens below `exact`. The copy is made at
+    once, on the engine thread, so the entry needs no pin."""
+    hit = core.cache.peek(ns, key)
+    n = hit.num_cached_tokens if isinstance(hit, Hit) else 0
+    if exact - n > MAX_REFEED_PROMPT:
+        return None
+    if not isinstance(hit, Hit):
+        return core.runner.new_state(len(key))
+    return hit.entry.state.restore(n, len(key) - n, core.runner.kv_pool)

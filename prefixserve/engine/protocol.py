@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from prefixserve.types import (
     Delta,
     FlushScope,
+    HistoryForm,
     InvalidRequest,
     Overloaded,
     PromptTooLong,
@@ -77,9 +78,14 @@ class TokenizerLike(Protocol):
         which decoding the single id turns into U+FFFD (logprobs' `bytes`, server/logprobs.py)."""
         ...
 
-    def echoed(self, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
-        """The reply's ids as a client's next request holds them when it sends the reply back as text;
+    def next_turn(self, prompt_ids: Sequence[int], reply_ids: Sequence[int],
+                  form: HistoryForm | None = None) -> tuple[int, ...] | None:
+        """Prompt + reply as a client's next request holds them when it sends the reply back as text;
         None where that cannot be told (models/tokenizer.py)."""
+        ...
+
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
+        """(drop, lead): how the chat template writes a reply back into a later history (types.HistoryForm)."""
         ...
 
     def render_chat(

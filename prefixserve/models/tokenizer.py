@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.types import TemplateError
+from prefixserve.models.thinking import split_reasoning
+from prefixserve.types import HistoryForm, TemplateError
 
 MARK_OPEN, MARK_CLOSE = "\ue000\ue001", "\ue002"  # private-use characters around a written text's number
 MARK = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
-ECHO_CONTEXT = 64  # prompt tokens before a reply that `echoed` re-encodes with it, at most
+ECHO_CONTEXT = 64  # prompt tokens before a reply that `next_turn` re-encodes with it, at most
+PROBE = "Reply-7f3a9."  # the assistant message `history_form` renders to find where a reply goes
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: one raw byte
 
 
@@ -50,6 +52,7 @@ class Tokenizer:
         self._added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
         self._special_ids = {i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
                              if getattr(t, "special", False)}
+        self._forms: dict[str, tuple[int, str]] = {}  # history_form's, per template kwargs
         # a thinking model's </think> token, which ends a reply's reasoning (server/reasoning.py); else None
         self.think_end_id = _think_end_id(hf_tokenizer)
         self.thinks = self.think_end_id is not None
@@ -136,23 +139,36 @@ class Tokenizer:
             return ids
 
     def echoed(self, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
-        """The reply's ids as a client's next request holds them when it sends the reply back as text
-        (a chat history, a completion's prompt + text): a model may sample another split of the same
-        text than the tokenizer's ("\n\n" then "1" where encoding gives "\n" then "\n1"), and the next
-        turn's cache hit would end there (docs/cache.md, "Finished turns"). The encoding of the prompt's
-        last text run (after its last added token, where encoding starts afresh) followed by the reply's
-        text, less that run; a stop token ending the reply stays as it is. A run longer than
-        ECHO_CONTEXT tokens is cut to its last ones: splitting text into words looks a few characters
-        back, so the reply's tokens come out the same, and the work stays small (a wrong guess would
-        only cost a cache hit: the entry is exact for its key whatever it is). None where that
-        encoding would not be the next request's: a prompt run that does not encode to itself, a reply
-        holding control tokens or their text."""
+        """The reply's ids as they follow the prompt in a client's next request when it sends the
+        reply back as text (a completion's prompt + text, a chat whose template writes the reply right
+        after its generation prompt): `next_turn` without a template's own form, less the prompt."""
+        turn = self.next_turn(prompt_ids, reply_ids)
+        return None if turn is None else turn[len(prompt_ids):]
+
+    def next_turn(self, prompt_ids: Sequence[int], reply_ids: Sequence[int],
+                  form: HistoryForm | None = None) -> tuple[int, ...] | None:
+        """Prompt + reply as a client's next request holds them when it sends the reply back as text.
+        A model may sample another split of the same text than the tokenizer's ("\n\n" then "1" where
+        encoding gives "\n" then "\n1"); a chat template may write the reply back otherwise than
+        its generation prompt led into it (`form`: an empty think block gone, the reasoning left
+        out); and the next turn's cache hit would end there (docs/cache.md, "Finished turns").
+        The prompt, less `form.drop` tokens, then the encoding of its last text run (after its last
+        added token, where encoding starts afresh) followed by `form.lead` and the reply's text (its
+        answer, where the server splits the reasoning off), less that run; a stop token ending the
+        reply stays as it is. A run longer than ECHO_CONTEXT tokens is cut to its last ones:
+        splitting text into words looks a few characters back, so the reply's tokens come out the
+        same, and the work stays small (a wrong guess would only cost a cache hit: the entry is
+        exact for its key whatever it is). None where that encoding would not be the next
+        request's: a prompt run that does not encode to itself, a reply holding control tokens or
+        their text."""
+        drop, lead, thinking = (0, "", None) if form is None else (form.drop, form.lead, form.thinking)
         end = next((k for k, t in enumerate(reply_ids) if t in self.eos_token_ids), len(reply_ids))
         content, rest = list(reply_ids[:end]), tuple(reply_ids[end:])
-        start = len(prompt_ids)
-        while start > 0 and prompt_ids[start - 1] not in self._added and len(prompt_ids) - start < ECHO_CONTEXT:
+        head = prompt_ids[: len(prompt_ids) - drop]
+        start = len(head)
+        while start > 0 and head[start - 1] not in self._added and len(head) - start < ECHO_CONTEXT:
             start -= 1
-        run = list(prompt_ids[start:])
+        run = list(head[start:])
         if any(t in self._special_ids for t in content):
             return None
         with self._lock:
@@ -160,10 +176,35 @@ class Tokenizer:
             text = self.hf.decode(content, skip_special_tokens=False)
             if self._specials is not None and self._specials.search(text):
                 return None
-            ids = list(self.hf.encode(run_text + text, add_special_tokens=False))
+            if thinking is not None:
+                text = split_reasoning(text, thinking)[1]
+            ids = list(self.hf.encode(run_text + lead + text, add_special_tokens=False))
         if ids[: len(run)] != run:
             return None
-        return tuple(ids[len(run):]) + rest
+        return tuple(head) + tuple(ids[len(run):]) + rest
+
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
+        """(drop, lead) of `HistoryForm` for this chat template: how it writes an assistant reply into
+        a later request's history against how its generation prompt ends (Qwen3's with thinking off:
+        the prompt ends in an empty think block the history does not have, drop 4). Probed once per
+        template kwargs by rendering a user message alone and again followed by a reply and another
+        message; (0, "") where the template refuses the probe or writes the reply elsewhere."""
+        key = json.dumps(template_kwargs or {}, sort_keys=True, default=str)
+        if key not in self._forms:
+            ask = [{"role": "user", "content": "Hi."}]
+            try:
+                prompt = self.render_chat(ask, None, True, template_kwargs)
+                history = self.render_chat(ask + [{"role": "assistant", "content": PROBE}, {"role": "user", "content": "Ok."}],
+                                           None, False, template_kwargs)
+            except TemplateError:
+                self._forms[key] = (0, "")
+                return self._forms[key]
+            n = next((k for k, (a, b) in enumerate(zip(prompt, history)) if a != b), min(len(prompt), len(history)))
+            with self._lock:
+                after = self.hf.decode(history[n:], skip_special_tokens=False)
+            at = after.find(PROBE)
+            self._forms[key] = (len(prompt) - n, after[:at]) if at >= 0 else (0, "")
+        return self._forms[key]
 
     def _marked(self, value: Any, written: list[str]) -> Any:
         """`value` with each string that spells a control token replaced by a marker (its text kept in

@@ -22,7 +22,7 @@ from prefixserve.server.logprobs import LogprobRenderer
 from prefixserve.server.prompt_memo import PromptMemo, input_digest
 from prefixserve.server.responses import ChatShape, Prepared, new_id
 from prefixserve.server.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
-from prefixserve.types import Constraint
+from prefixserve.types import Constraint, HistoryForm
 
 MAX_TOP_LOGPROBS = 20
 THINK_TAIL = 16  # prompt tokens read for an open <think> (the generation prompt's last few)
@@ -71,12 +71,15 @@ def prepare_chat(
                                       max_tokens_name=named, max_session_tokens=engine.max_session_tokens)
     setup = None if tool_list is None or body.tool_choice == "none" else tools.ToolSetup(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)
+    thinking = thinking_start(engine, prompt_ids) if think_split else None
     shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),
                       fingerprint=engine.health().fingerprint,
                       logprobs=None if num_logprobs is None else LogprobRenderer(engine.tokenizer), tools=setup,
-                      thinking=thinking_start(engine, prompt_ids) if think_split else None,
-                      think_end_id=engine.tokenizer.think_end_id)
-    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n)
+                      thinking=thinking, think_end_id=engine.tokenizer.think_end_id)
+    # how the client's next request will hold this reply: the cache keys the finished turn so (docs/cache.md)
+    drop, lead = engine.tokenizer.history_form(kwargs)
+    history = HistoryForm(drop, lead, thinking) if drop or lead or thinking is not None else None
+    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n, history=history)
 
 
 def thinking_start(engine: EngineClient, prompt_ids: list[int]) -> bool | None:

@@ -23,7 +23,7 @@ from prefixserve.server.logprobs import LogprobRenderer
 from prefixserve.server.prompt_memo import PromptMemo, input_digest
 from prefixserve.server.responses import CompletionShape, Prepared, Shape, new_id
 from prefixserve.server.schemas import CompletionRequest
-from prefixserve.types import MAX_CHOICES, Namespace, Request, SamplingParams
+from prefixserve.types import MAX_CHOICES, HistoryForm, Namespace, Request, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions (within the server's --default-max-tokens)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy API's limit
@@ -83,15 +83,17 @@ def prepare_completion(
 
 def prepared(
     engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
-    salt: str, shape: Shape, num_choices: int = 1, num_returned: int | None = None,
+    salt: str, shape: Shape, num_choices: int = 1, num_returned: int | None = None, history: HistoryForm | None = None,
 ) -> Prepared:
-    """The engine Request (namespace from the tenant and salt alone) and the response shape."""
+    """The engine Request (namespace from the tenant and salt alone) and the response shape;
+    `history`: how a chat's next request writes the reply back (types.HistoryForm)."""
     request = Request(
         request_id=shape.id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),
         prompt_ids=tuple(prompt_ids),
         sampling=sampling,
         num_choices=num_choices,
+        history=history,
     )
     return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id,
                     num_returned=num_returned if num_returned != num_choices else None)

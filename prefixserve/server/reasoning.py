@@ -26,19 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-OPEN, CLOSE = "<think>", "</think>"
+from prefixserve.models.thinking import CLOSE, OPEN, split_reasoning
 
-
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a whole reply; `thinking`: the prompt opened the block."""
-    if not thinking:
-        if not text.lstrip().startswith(OPEN):
-            return None, text
-        text = text.lstrip()[len(OPEN):]
-    end = text.find(CLOSE)
-    if end == -1:
-        return text.strip(), ""
-    return text[:end].strip(), text[end + len(CLOSE):].lstrip()
+# the split itself lives beside the tokenizer: the engine keys a finished turn by the answer alone
+__all__ = ["CLOSE", "OPEN", "ReasoningStream", "reasoning_tokens", "split_reasoning"]
 
 
 def reasoning_tokens(token_ids: Sequence[int], end_id: int | None) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from prefixserve.engine.protocol import EngineHealth
+from prefixserve.types import HistoryForm
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import ADMIN, KEY_A, KEY_B, FakeLedger, auth
 
@@ -73,10 +74,16 @@ def test_completion_prompt_as_token_ids(client: TestClient, engine: FakeEngine) 
     r = client.post("/v1/completions", json={"prompt": ["abc", [100, 101]], "max_tokens": 2}, headers=auth())
     assert r.status_code == 200, r.text
     assert [r.text_history for r in engine.requests[3:]] == [True, False]
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                    headers=auth())
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=chat, headers=auth())
     assert r.status_code == 200, r.text
-    assert engine.requests[-1].text_history
+    assert engine.requests[-1].text_history and engine.requests[-1].history is None  # the reply follows the prompt
+    # a template that writes replies back its own way, a thinking model: the finished turn's key says so
+    engine.tokenizer.form = (4, "x")  # type: ignore[attr-defined]
+    engine.tokenizer.thinks = True  # type: ignore[attr-defined]
+    r = client.post("/v1/chat/completions", json=chat, headers=auth())
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].history == HistoryForm(4, "x", False)
 
 
 def test_chat_non_streaming_shape_and_usage(client: TestClient, engine: FakeEngine) -> None:

@@ -1,0 +1,120 @@
+"""A chat template that writes a reply back into the next request's history otherwise than its
+generation prompt led into it (Qwen3's: an empty think block in the prompt with thinking off, which
+the history does not have; a thinking reply whose reasoning the client never sends back): the
+finished turn is cached as the history will hold it, so the next turn hits through the reply
+(types.HistoryForm, models/tokenizer.py `next_turn`, docs/cache.md "Finished turns"). On a tiny
+random hybrid (Qwen3.5-like) model with a byte-level tokenizer whose <think> tags are tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+from prefixserve.cache import PrefixCache
+from prefixserve.config import CacheConfig, EngineConfig
+from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.models import load_model
+from prefixserve.runner import ModelRunner
+from prefixserve.types import HistoryForm, Namespace, Request, SamplingParams, Usage
+from tests.hybrid.tiny import make_model
+from tests.server.test_reasoning import THINKER_TEMPLATE, save_thinking_tokenizer
+
+torch.set_num_threads(1)
+HI = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "Say a."}]
+OFF = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tiny-thinker-history"))
+    make_model(folder, layers=4, seed=5, vocab=261, with_tokenizer=False)
+    save_thinking_tokenizer(folder, THINKER_TEMPLATE)
+    return load_model(folder, torch.float32)
+
+
+def history(tok: Any, reply: str, kwargs: dict[str, Any] | None) -> list[int]:
+    return tok.render_chat(HI + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More."}],
+                           None, True, kwargs)
+
+
+def test_the_template_form_and_the_next_turn(model):
+    tok = model.tokenizer
+    tags = ["<think>", "\n", "\n", "</think>", "\n", "\n"]
+    assert tok.history_form(OFF) == (len(tags), "")  # the empty block is not in the history
+    assert tok.history_form(None) == (2, "")  # the opened "<think>\n" is not either
+    for kwargs, thinking in ((OFF, False), (None, True)):
+        drop, lead = tok.history_form(kwargs)
+        prompt = tok.render_chat(HI, None, True, kwargs)
+        said = "" if thinking else "<think>\nhmm\n</think>\n\n"  # the reply opens the block itself
+        reply = tok.encode(said + "Let me see.\n</think>\n\nThe answer: a." if thinking else said + "The answer: a.")
+        turn = tok.next_turn(prompt, reply + [tok.eos_token_ids[0]], HistoryForm(drop, lead, thinking))
+        want = history(tok, "The answer: a.", kwargs)  # the client sends the answer back, not the reasoning
+        assert turn is not None and want[: len(turn)] == list(turn) and turn[-1] == tok.eos_token_ids[0]
+        assert len(turn) < len(prompt) + len(reply)
+
+
+def make_engine(model, max_bytes: int) -> AsyncEngine:
+    core = EngineCore(ModelRunner(model.decoder, 1), model.tokenizer, PrefixCache(CacheConfig(max_bytes=max_bytes)),
+                      EngineConfig(prefill_chunk_tokens=64, max_batch_tokens=128), 2048, lambda r, d: None)
+    return AsyncEngine(core, "tiny", model.tokenizer, "test", model.arch.vocab_size)
+
+
+async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int, form: HistoryForm | None = None,
+              bias: tuple[tuple[int, float], ...] = ()) -> tuple[list[int], Usage]:
+    req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True, logit_bias=bias), history=form)
+    out: list[int] = []
+    usage = None
+    async for d in engine.generate(req):
+        out += d.token_ids
+        usage = d.usage or usage
+    assert usage is not None
+    return out, usage
+
+
+@pytest.mark.parametrize("kwargs", [OFF, None], ids=["thinking-off", "thinking"])
+def test_the_next_turn_hits_through_the_reply(model, kwargs):
+    """Turn 1 writes "a" twelve times (all of it reasoning when the prompt opened the block); turn 2,
+    the history as the template writes it, is served from the cache up to where it leaves the turn
+    (was: not at all, the prompt being shorter than a recurrent checkpoint's grid), and answers as
+    a cache-less engine does; the entry is bitwise a fresh prefill of that history."""
+    tok = model.tokenizer
+    ns = Namespace("tiny", "t")
+    drop, lead = tok.history_form(kwargs)
+    thinking = kwargs is None
+    prompt = tok.render_chat(HI, None, True, kwargs)
+    a = tok.encode("a")
+    second = history(tok, "" if thinking else "a" * 12, kwargs)
+    key = prompt[: len(prompt) - drop] + ([] if thinking else a * 12)  # the answer only; cut, so no <|im_end|>
+    assert second[: len(key)] == key
+    cached, plain = make_engine(model, 1 << 30), make_engine(model, 0)
+
+    async def go():
+        out, _ = await run(cached, prompt, ns, 12, HistoryForm(drop, lead, thinking), bias=((a[0], 100.0),))
+        for _ in range(200):
+            if not cached.core.refills:
+                break
+            await asyncio.sleep(0.02)
+        got = await run(cached, second, ns, 12)
+        want = await run(plain, second, ns, 12)
+        await cached.shutdown()
+        await plain.shutdown()
+        return out, got, want
+
+    out, (out2, u2), (ref2, _) = asyncio.run(go())
+    assert out == a * 12
+    assert u2.cached_tokens == len(key)
+    assert out2 == ref2
+    entry = cached.core.cache.get(ns, tuple(key))
+    assert entry is not None
+    runner = cached.core.runner
+    fresh = runner.new_state()
+    runner.prefill(fresh, key, 64)
+    restored = entry.state.restore(len(key), 0)
+    assert torch.equal(restored.kv[..., : len(key), :], fresh.kv[..., : len(key), :])
+    for name in ("conv", "cell", "delta"):
+        assert torch.equal(getattr(restored.rec, name), getattr(fresh.rec, name)), name
