@@ -17,6 +17,7 @@ from prefixserve.types import HistoryForm, TemplateError
 MARK_OPEN, MARK_CLOSE = "\ue000\ue001", "\ue002"  # private-use characters around a written text's number
 MARK = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
 ECHO_CONTEXT = 64  # prompt tokens before a reply that `next_turn` re-encodes with it, at most
+MAX_FORMS = 64  # template kwargs whose history_form is kept
 PROBE = "Reply-7f3a9."  # the assistant message `history_form` renders to find where a reply goes
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: one raw byte
 
@@ -191,6 +192,8 @@ class Tokenizer:
         message; (0, "") where the template refuses the probe or writes the reply elsewhere."""
         key = json.dumps(template_kwargs or {}, sort_keys=True, default=str)
         if key not in self._forms:
+            if len(self._forms) >= MAX_FORMS:  # kwargs are the client's: never an unbounded memo
+                self._forms.clear()
             ask = [{"role": "user", "content": "Hi."}]
             try:
                 prompt = self.render_chat(ask, None, True, template_kwargs)
