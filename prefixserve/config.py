@@ -69,6 +69,9 @@ class ModelConfig:
             raise ValueError("decode_threads must be >= 1")
 
 
+SHARED_SECRET_MIN_BYTES = 16  # the shared tier's HMAC key (docs/cache.md, "Shared tier")
+
+
 @dataclass(frozen=True, slots=True)
 class SharedTierConfig:
     """The shared cache tier on Redis (docs/cache.md, "Shared tier"); its bound is Redis's maxmemory."""
@@ -81,8 +84,9 @@ class SharedTierConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("the Redis URL must start with redis://, rediss:// or unix://")
-        if len(self.secret) < 16:
-            raise ValueError("the shared cache tier needs a secret of at least 16 bytes (--cache-redis-key)")
+        if len(self.secret) < SHARED_SECRET_MIN_BYTES:
+            raise ValueError(f"the shared cache tier needs a secret of at least {SHARED_SECRET_MIN_BYTES} bytes "
+                             "(--cache-redis-key)")
         if not self.prefix or any(c in self.prefix for c in "*?[]:"):
             raise ValueError("the Redis key prefix must be non-empty, without glob characters or ':'")
         if self.timeout_s <= 0:

@@ -82,7 +82,7 @@ class Pricing:
         with open(path, "rb") as f:
             try:
                 doc = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # not TOML, or not UTF-8 text
                 raise PricingError(f"{path}: {e}") from e
         return cls.from_mapping(doc, source=path)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.config import (
+    SHARED_SECRET_MIN_BYTES,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -192,18 +193,43 @@ def shared_tier_config(s: dict[str, Any]) -> SharedTierConfig | None:
         raise ValueError("give either --cache-redis-key or --cache-redis-key-file, not both")
     if not url:
         if key or key_file:
-            raise ValueError("--cache-redis-key needs --cache-redis-url")
+            raise ValueError(f"{'--cache-redis-key-file' if key_file else '--cache-redis-key'} needs --cache-redis-url")
         return None
     if not key and not key_file:
         raise ValueError("--cache-redis-url needs a secret: --cache-redis-key or --cache-redis-key-file")
-    secret = Path(key_file).read_bytes().strip() if key_file else key.encode()
+    secret = read_secret_file(key_file) if key_file else key.encode()
     return SharedTierConfig(url=url, secret=secret)
+
+
+def read_secret_file(path: str) -> bytes:
+    """The shared tier's secret from --cache-redis-key-file (surrounding whitespace stripped). A file
+    that cannot be read or holds under 16 bytes is a ValueError naming the flag and the path: a
+    bare OSError would name neither, and a short secret would blame --cache-redis-key."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"--cache-redis-key-file {path}: cannot read it: {e.strerror or e}") from None
+    if len(secret) < SHARED_SECRET_MIN_BYTES:
+        raise ValueError(f"--cache-redis-key-file {path}: the secret must be at least {SHARED_SECRET_MIN_BYTES} bytes, "
+                         f"the file holds {len(secret)}")
+    return secret
+
+
+def read_pricing(path: str) -> Pricing:
+    """The --pricing file. One that cannot be read or parsed is a ValueError naming the flag and the
+    path (Pricing's own messages start with the path; an OSError's name neither)."""
+    try:
+        return Pricing.from_toml(path)
+    except OSError as e:
+        raise ValueError(f"--pricing {path}: cannot read it: {e.strerror or e}") from None
+    except ValueError as e:  # PricingError: "<path>...: what is wrong"
+        raise ValueError(f"--pricing {e}" if str(e).startswith(path) else f"--pricing {path}: {e}") from None
 
 
 def open_ledger(server_config: ServerConfig, prices: Sequence[str] = (), flag: str = "--ledger-path") -> Ledger:
     """The usage ledger, priced from the TOML file and/or `--price` flags. A path that cannot hold it
     (a directory, a parent that cannot be made or written) is a ValueError naming `flag` and the path."""
-    pricing = Pricing.from_toml(server_config.pricing_path) if server_config.pricing_path else Pricing.default()
+    pricing = read_pricing(server_config.pricing_path) if server_config.pricing_path else Pricing.default()
     if prices:
         pricing = Pricing.from_specs(prices, base=pricing)
     assert server_config.ledger_path is not None

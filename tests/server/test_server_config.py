@@ -259,3 +259,48 @@ def test_a_setting_the_model_cannot_work_with_is_a_configuration_error(
     finally:
         signal.signal(signal.SIGTERM, handler)
     assert "--max-session-bytes 1,000 holds 0 tokens" in _one_error_line(capsys)
+
+
+def test_unusable_pricing_and_redis_key_files_name_the_flag_and_the_path(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, no_model: None
+) -> None:
+    """A missing file, a directory, malformed content: one line naming the flag and the path, status 2
+    (they were exit 2 already, but as "[Errno 2] No such file or directory: '...'", naming no flag)."""
+    for name in ("PREFIXSERVE_PRICING", "PREFIXSERVE_CACHE_REDIS_URL", "PREFIXSERVE_CACHE_REDIS_KEY",
+                 "PREFIXSERVE_CACHE_REDIS_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    (bad_toml := tmp_path / "bad.toml").write_text("[default\n")
+    (not_utf8 := tmp_path / "latin1.toml").write_bytes(b"# caf\xe9\n")
+    (no_output := tmp_path / "prices.toml").write_text("[default]\ninput = 0.1\n")
+    (short := tmp_path / "short.key").write_text("  too-short \n")
+    (empty := tmp_path / "empty.key").write_text("\n")
+    redis = ["--cache-redis-url", "redis://127.0.0.1:1/0", "--cache-redis-key-file"]
+    cases = [  # argv, what the line must say besides the flag and the path
+        (["--pricing", str(tmp_path / "missing.toml")], "No such file"),
+        (["--pricing", str(tmp_path)], "Is a directory"),
+        (["--pricing", str(bad_toml)], "line 1"),
+        (["--pricing", str(not_utf8)], "utf-8"),
+        (["--pricing", str(no_output)], "missing ['output']"),
+        ([*redis, str(tmp_path / "missing.key")], "No such file"),
+        ([*redis, str(tmp_path)], "Is a directory"),
+        ([*redis, str(short)], "at least 16 bytes, the file holds 9"),
+        ([*redis, str(empty)], "at least 16 bytes, the file holds 0"),
+    ]
+    for argv, says in cases:
+        assert run.run_serve(_args("--data-dir", str(tmp_path / "data"), *argv)) == 2, argv
+        line = _one_error_line(capsys)
+        assert f"{argv[-2]} {argv[-1]}" in line and says in line, (argv, line)
+    assert run.run_serve(_args("--data-dir", str(tmp_path / "data"), "--cache-redis-key-file", str(short))) == 2
+    assert "--cache-redis-key-file needs --cache-redis-url" in _one_error_line(capsys)  # not "--cache-redis-key"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may read anything")
+def test_unreadable_pricing_and_redis_key_files_are_named(tmp_path: Path, capsys: Any, no_model: None) -> None:
+    locked = tmp_path / "locked"
+    locked.write_text("[default]\ninput = 1\noutput = 1\n" + "#" * 16)
+    locked.chmod(0)
+    for argv in (["--pricing", str(locked)],
+                 ["--cache-redis-url", "redis://127.0.0.1:1/0", "--cache-redis-key-file", str(locked)]):
+        assert run.run_serve(_args("--data-dir", str(tmp_path / "data"), *argv)) == 2
+        line = _one_error_line(capsys)
+        assert f"{argv[-2]} {locked}: cannot read it: Permission denied" in line, line
