@@ -25,6 +25,7 @@ from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.auth import KeyStore
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.completions import prepare_completion
+from prefixserve.server.endings import Endings, EndingsMiddleware
 from prefixserve.server.errors import APIError, bad_request, install_error_handlers
 from prefixserve.server.flush import flush_payload, flush_scope
 from prefixserve.server.generation import respond
@@ -91,6 +92,9 @@ def create_app(
 
     app = FastAPI(title="prefixserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.state.endings = Endings()  # for the bounded shutdown (server/shutdown.py)
+    # inside RequestCounter, so the last word the shutdown writes for a request is counted and logged
+    app.add_middleware(EndingsMiddleware, endings=app.state.endings)
     app.add_middleware(RequestCounter, metrics=metrics)
 
     # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)

@@ -20,7 +20,14 @@ from prefixserve.engine.protocol import EngineClient
 from prefixserve.server.errors import SHUTTING_DOWN, APIError, unavailable
 from prefixserve.server.multi import Usages, generate_all
 from prefixserve.server.responses import ChoiceOutput, Prepared
-from prefixserve.server.streaming import SSE_HEADERS, SSEResponse, aclose_shielded, next_delta, sse_events
+from prefixserve.server.streaming import (
+    SSE_HEADERS,
+    SSEResponse,
+    aclose_shielded,
+    ended_by_server,
+    next_delta,
+    sse_events,
+)
 from prefixserve.server.tracking import RequestTracker
 from prefixserve.types import Delta, FinishReason
 
@@ -55,7 +62,7 @@ async def respond(
             handed_off = True
             return SSEResponse(sse_events(prepared.shape, engine_iter, first, tracker, prepared.num_choices,
                                           lambda: usages.final(engine, prepared.requests)),
-                               headers=SSE_HEADERS)
+                               headers=SSE_HEADERS, stream_end=lambda: ended_by_server(prepared.shape))
         choices, delta = await until_disconnect(http_request, _collect(engine_iter, tracker, prepared.num_choices))
         usage = tracker.finish(FinishReason(delta.finish_reason).value, delta.usage)  # the last choice to finish
         return JSONResponse(prepared.shape.full(prepared.select(choices), usage))
@@ -67,6 +74,11 @@ async def respond(
         await aclose_shielded(engine_iter)
         tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))
         raise unavailable(str(e)) from None
+    except asyncio.CancelledError:  # the shutdown cancelled it (server/endings.py answers): billed the same
+        await aclose_shielded(engine_iter)
+        if not tracker.finished:
+            tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))
+        raise
     finally:
         if not handed_off:
             await aclose_shielded(engine_iter)

@@ -171,7 +171,8 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: soc
     config = uvicorn.Config(  # the access log line comes from server/middleware.py, after the response
         app, host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=5, access_log=False
     )
-    server = shutdown.GracefulServer(config, engine, shutdown_timeout_s)
+    server = shutdown.GracefulServer(config, engine, shutdown_timeout_s,
+                                     endings=getattr(getattr(app, "state", None), "endings", None))
     # uvicorn installs the server's handler while it runs and puts back what it found: the same one,
     # so a signal in the moments before and after is recorded too, never a death by SIGTERM
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,7 +3,8 @@
     signal ──▶ stop accepting, close idle connections ──▶ in-flight requests finish ... up to grace_s
                                          second signal, or grace_s passed ──▶ engine.end_all(...)
            ──▶ streams end with an error event, others get a 503, each billed what was computed
-           ──▶ (a connection still open SETTLE_S later is cancelled) ──▶ lifespan: drain engine, close ledger
+           ──▶ a request still running SETTLE_S later gets its last word (server/endings.py), then its
+               task is cancelled ──▶ lifespan: drain engine, close ledger
 
 uvicorn's own handler is replaced: it re-raises the signal once the server is done (a death by
 SIGTERM, exit status 143) and, on a second Ctrl-C, sets `force_exit`, which skips the app's lifespan
@@ -24,6 +25,7 @@ from types import FrameType
 import uvicorn
 
 from prefixserve.engine.protocol import EngineClient
+from prefixserve.server.endings import Endings
 from prefixserve.server.errors import SHUTTING_DOWN
 
 logger = logging.getLogger("prefixserve.server")
@@ -39,10 +41,12 @@ class GracefulServer(uvicorn.Server):
     end the rest (`EngineClient.end_all`); a second SIGTERM / SIGINT ends them at once. The app's
     lifespan shutdown always runs. `engine` None: nothing to end (an app without one)."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient | None, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient | None, grace_s: float,
+                 endings: Endings | None = None) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
+        self.endings = endings  # the app's (app.state.endings): the last word of a request cancelled
         self.signals: list[str] = []  # the names of the signals received, in order
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -83,8 +87,13 @@ class GracefulServer(uvicorn.Server):
             await asyncio.sleep(POLL_S)
         if not tasks:
             return
-        logger.error("cancelling %d request(s) that did not end within %g s of being stopped", len(tasks), SETTLE_S)
-        for task in list(tasks):
+        # their last word first (a 503, a stream's error event), from tasks of its own: a cancelled
+        # request may still wait for the engine (an abort's usage) before its task ends
+        stuck = list(tasks)
+        told = sum(self.endings.end(task) for task in stuck) if self.endings is not None else 0
+        logger.error("cancelling %d request(s) that did not end within %g s of being stopped; %d of them get a 503 "
+                     "or their stream's error event first", len(stuck), SETTLE_S, told)
+        for task in stuck:
             task.cancel()
         await asyncio.sleep(SETTLE_S)
         for connection in list(self.server_state.connections):  # uvicorn waits for every one to close

@@ -15,8 +15,9 @@ from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
+from prefixserve.server.endings import on_stream_start
 from prefixserve.server.errors import SHUTTING_DOWN, unavailable
 from prefixserve.server.responses import Shape
 from prefixserve.server.tracking import RequestTracker
@@ -29,7 +30,20 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class SSEResponse(StreamingResponse):
+    """`stream_end`: what ends this stream if the shutdown must cut it (`ended_by_server`), registered
+    as the response starts (server/endings.py)."""
+
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None,
+                 stream_end: Callable[[], str] | None = None) -> None:
+        super().__init__(content, headers=headers)
+        self.stream_end = stream_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.stream_end is not None:
+            on_stream_start(self.stream_end)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -78,9 +92,8 @@ async def sse_events(
                 out = []
             delta = await next_delta(engine_iter)
         if delta is not None and delta.finish_reason is FinishReason.ABORT:  # ended by the server: shutting down
-            err = unavailable(delta.error or SHUTTING_DOWN)
-            logger.info("request %s ended by the server: %s", tracker.request_id, err.message)
-            yield "".join(out) + sse(shape.failure(err.message, err.type, err.code), named) + done
+            logger.info("request %s ended by the server: %s", tracker.request_id, delta.error or SHUTTING_DOWN)
+            yield "".join(out) + ended_by_server(shape, delta.error or SHUTTING_DOWN)
             return  # recorded in `finally` as an abort, with what the engine computed
         if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:
             message = (
@@ -103,6 +116,14 @@ async def sse_events(
         await aclose_shielded(engine_iter)
         if not tracker.finished:  # the stream was cut short
             tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
+
+
+def ended_by_server(shape: Shape, message: str = SHUTTING_DOWN) -> str:
+    """The end of a stream the server ended (shutting down): the error event in the shape's form (an
+    OpenAI error object; `response.failed` on the Responses API) with the 503's type and code, then
+    `[DONE]` where the shape ends with it."""
+    err = unavailable(message)
+    return sse(shape.failure(err.message, err.type, err.code), shape.named_events) + (DONE if shape.ends_with_done else "")
 
 
 def sse(obj: dict[str, Any], named: bool = False) -> str:
