@@ -9,12 +9,13 @@ import asyncio
 import uuid
 
 import pytest
-import torch
 
+from prefixserve.cache import Hit
 from prefixserve.models.loader import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.engine.test_engine_cache import make_engine
+from tests.helpers.engine_run import assert_fresh_prefill, collect
 
 SYSTEM = "You are a helpful assistant."
 ASK = ["Give me three tips for sleeping better.", "Who are you?", "Translate 'good morning' into French.",
@@ -65,17 +66,8 @@ def test_echoed_declines_where_the_next_request_is_not_known(tok):
 
 def run(engine, ids: list[int], ns: Namespace, max_tokens: int, temperature: float = 0.0, seed: int = 0,
         text_history: bool = True) -> tuple[list[int], Usage]:
-    async def go() -> tuple[list[int], Usage]:
-        req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                      seed=seed), text_history=text_history)
-        out: list[int] = []
-        usage = None
-        async for d in engine.generate(req):
-            out += d.token_ids
-            usage = d.usage or usage
-        assert usage is not None
-        return out, usage
-    return asyncio.run(go())
+    return asyncio.run(collect(engine, Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=seed), text_history=text_history)))
 
 
 def settle(engine) -> None:
@@ -113,15 +105,10 @@ def test_a_chat_history_hits_through_the_replys_end(mode):
         assert u2.cached_tokens >= least, (user, tok.decode(second[u2.cached_tokens:end]))
         turns.append((second[:end], least))
     asyncio.run(engine.shutdown())
-    runner = engine.core.runner
     for tokens, least in turns:  # the entries hold exactly what a fresh prefill of the history gives
         hit = engine.core.cache.lookup(ns, tuple(tokens) + (0,))
-        n = hit.num_cached_tokens
-        assert n >= least
-        fresh = runner.new_state()
-        runner.prefill(fresh, tokens[:n], 128)
-        restored = hit.entry.state.restore(n, 0)
-        assert torch.equal(restored.kv[:, :, :, :n], fresh.kv[:, :, :, :n])
+        assert isinstance(hit, Hit) and hit.num_cached_tokens >= least
+        assert_fresh_prefill(engine.core.runner, hit.entry.state, tokens[: hit.num_cached_tokens], 128)
     assert engine.core.cache.check_integrity() is None
 
 

@@ -6,13 +6,13 @@ import asyncio
 import uuid
 
 import pytest
-import torch
 
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.conftest import load_embedded
+from tests.helpers.engine_run import assert_fresh_prefill, collect
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +33,8 @@ def make_engine(max_bytes: int, mode: str = "int4", chunk: int = 128) -> AsyncEn
 
 async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int = 12,
               text_history: bool = True) -> tuple[list[int], Usage]:
-    req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                  text_history=text_history)
-    out: list[int] = []
-    usage = None
-    async for d in engine.generate(req):
-        out += d.token_ids
-        usage = d.usage or usage
-    assert usage is not None
-    return out, usage
+    return await collect(engine, Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(
+        max_tokens=max_tokens, temperature=0.0), text_history=text_history))
 
 
 def chat(tok, user: str) -> list[int]:
@@ -136,10 +129,7 @@ def test_next_chat_turn_hits_its_own_history(mode, think):
     hit = engine.core.cache.lookup(ns, turn + (0,))
     assert hit.num_cached_tokens == len(turn)
     _, runner = load_embedded(mode)
-    fresh = runner.new_state()
-    runner.prefill(fresh, list(turn), 128)
-    restored = hit.entry.state.restore(len(turn), 0)
-    assert torch.equal(restored.kv[:, :, :, : len(turn)], fresh.kv[:, :, :, : len(turn)])
+    assert_fresh_prefill(runner, hit.entry.state, turn, 128)
     assert engine.core.cache.check_integrity() is None
 
 
@@ -237,9 +227,7 @@ def test_a_turn_refill_stores_its_turn_a_piece_at_a_time():
     assert num_pieces > 5 and store_calls == num_pieces
     hit = cache.lookup(ns, turn + (0,))
     assert hit.num_cached_tokens == len(turn)
-    fresh = runner.new_state()
-    runner.prefill(fresh, list(turn), 128)
-    assert torch.equal(hit.entry.state.restore(len(turn), 0).kv[:, :, :, : len(turn)], fresh.kv[:, :, :, : len(turn)])
+    assert_fresh_prefill(runner, hit.entry.state, turn, 128)
     assert cache.check_integrity() is None
 
 

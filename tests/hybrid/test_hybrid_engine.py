@@ -18,6 +18,7 @@ from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner
 from prefixserve.runner.hybrid_state import GRID, MAX_CHECKPOINTS, checkpoint_positions
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
+from tests.helpers.engine_run import collect
 from tests.hybrid.tiny import make_model
 
 torch.set_num_threads(1)
@@ -39,15 +40,8 @@ def make_engine(model, max_bytes: int, chunk: int = 64) -> AsyncEngine:
 
 async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int = 8) -> tuple[list[int], Usage]:
     # the tests send the ids back as they got them (a random model's bytes need not be text)
-    req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True), text_history=False)
-    out: list[int] = []
-    usage = None
-    async for d in engine.generate(req):
-        out += d.token_ids
-        usage = d.usage or usage
-    assert usage is not None
-    return out, usage
+    return await collect(engine, Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True), text_history=False))
 
 
 def test_learning_sequence_next_turn_and_isolation(model):

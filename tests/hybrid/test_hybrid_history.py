@@ -1,9 +1,11 @@
-"""A chat template that writes a reply back into the next request's history otherwise than its
-generation prompt led into it (Qwen3's: an empty think block in the prompt with thinking off, which
-the history does not have; a thinking reply whose reasoning the client never sends back): the
-finished turn is cached as the history will hold it, so the next turn hits through the reply
-(types.HistoryForm, models/tokenizer.py `next_turn`, docs/cache.md "Finished turns"). On a tiny
-random hybrid (Qwen3.5-like) model with a byte-level tokenizer whose <think> tags are tokens."""
+"""A hybrid's finished turn, keyed as the client's next request will hold it: a reply whose text the
+tokenizer splits otherwise than the model sampled it, and a chat template that writes a reply back
+otherwise than its generation prompt led into it (Qwen3's: an empty think block in the prompt with
+thinking off, which the history does not have; a thinking reply whose reasoning the client never
+sends back). The recurrent state cannot go back, so the turn is re-fed from a cached state
+(engine/inserts.py; types.HistoryForm, models/tokenizer.py `next_turn`, docs/cache.md "Finished
+turns"), and the next turn hits through the reply. On tiny random hybrid (Qwen3.5-like) models with
+byte-level tokenizers."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.models import load_model
 from prefixserve.runner import ModelRunner
 from prefixserve.types import HistoryForm, Namespace, Request, SamplingParams, Usage
-from tests.hybrid.tiny import make_model
+from tests.helpers.engine_run import assert_fresh_prefill, collect
+from tests.hybrid.tiny import VOCAB, make_model, save_tokenizer
 from tests.server.test_reasoning import THINKER_TEMPLATE, save_thinking_tokenizer
 
 torch.set_num_threads(1)
@@ -65,15 +68,55 @@ def make_engine(model, max_bytes: int) -> AsyncEngine:
 
 async def run(engine: AsyncEngine, ids: list[int], ns: Namespace, max_tokens: int, form: HistoryForm | None = None,
               bias: tuple[tuple[int, float], ...] = ()) -> tuple[list[int], Usage]:
-    req = Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True, logit_bias=bias), history=form)
-    out: list[int] = []
-    usage = None
-    async for d in engine.generate(req):
-        out += d.token_ids
-        usage = d.usage or usage
-    assert usage is not None
-    return out, usage
+    return await collect(engine, Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logit_bias=bias), history=form))
+
+
+async def settle(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        if not engine.core.refills:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the turn refills did not finish")
+
+
+@pytest.fixture(scope="module")
+def merging(tmp_path_factory):
+    """The tiny byte-level tokenizer plus one merge, "a" + "a" -> "aa": a model that writes "a" eight
+    times wrote text the tokenizer encodes as four tokens."""
+    folder = str(tmp_path_factory.mktemp("qwen35m"))
+    make_model(folder, layers=4, seed=5, with_tokenizer=False, vocab=VOCAB + 1)
+    save_tokenizer(folder, merges=("aa",))
+    return load_model(folder, torch.float32)
+
+
+def test_a_turn_is_cached_as_its_text_encodes(merging):
+    tok = merging.tokenizer
+    a, aa = tok.encode("a"), tok.encode("aa")
+    assert len(a) == 1 and len(aa) == 1 and aa != a + a
+    ns = Namespace("tiny", "t")
+    first = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "Say a."}]
+    ids = tok.render_chat(first)
+    second = tok.render_chat(first + [{"role": "assistant", "content": "a" * 8}, {"role": "user", "content": "More?"}])
+    turn = list(ids) + aa * 4
+    assert second[: len(turn)] == turn
+    cached, plain = make_engine(merging, 1 << 30), make_engine(merging, 0)
+
+    async def go():
+        out, _ = await run(cached, ids, ns, 8, bias=((a[0], 100.0),))
+        await settle(cached)
+        got, want = await run(cached, second, ns, 16), await run(plain, second, ns, 16)
+        await cached.shutdown()
+        await plain.shutdown()
+        return out, got, want
+
+    out, (out2, u2), (ref2, _) = asyncio.run(go())
+    assert out == a * 8  # sampled one "a" at a time; the history holds "aa" four times
+    assert u2.cached_tokens == len(turn)  # was len(ids): the sampled turn's entry ends where the reply begins
+    assert out2 == ref2
+    entry = cached.core.cache.get(ns, tuple(turn))
+    assert entry is not None
+    assert_fresh_prefill(cached.core.runner, entry.state, turn, 64)
 
 
 @pytest.mark.parametrize("kwargs", [OFF, None], ids=["thinking-off", "thinking"])
@@ -95,12 +138,8 @@ def test_the_next_turn_hits_through_the_reply(model, kwargs):
 
     async def go():
         out, _ = await run(cached, prompt, ns, 12, HistoryForm(drop, lead, thinking), bias=((a[0], 100.0),))
-        for _ in range(200):
-            if not cached.core.refills:
-                break
-            await asyncio.sleep(0.02)
-        got = await run(cached, second, ns, 12)
-        want = await run(plain, second, ns, 12)
+        await settle(cached)
+        got, want = await run(cached, second, ns, 12), await run(plain, second, ns, 12)
         await cached.shutdown()
         await plain.shutdown()
         return out, got, want
@@ -111,10 +150,4 @@ def test_the_next_turn_hits_through_the_reply(model, kwargs):
     assert out2 == ref2
     entry = cached.core.cache.get(ns, tuple(key))
     assert entry is not None
-    runner = cached.core.runner
-    fresh = runner.new_state()
-    runner.prefill(fresh, key, 64)
-    restored = entry.state.restore(len(key), 0)
-    assert torch.equal(restored.kv[..., : len(key), :], fresh.kv[..., : len(key), :])
-    for name in ("conv", "cell", "delta"):
-        assert torch.equal(getattr(restored.rec, name), getattr(fresh.rec, name)), name
+    assert_fresh_prefill(cached.core.runner, entry.state, key, 64)

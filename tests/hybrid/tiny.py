@@ -15,13 +15,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tokenizer(folder: str) -> None:
+def save_tokenizer(folder: str, merges: tuple[str, ...] = ()) -> None:
+    """`merges`: two-character tokens (ids from 256 on, the control tokens after them), so that a text
+    has one encoding and a model may write it another way ("aa" as "a" + "a")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab.update({m: len(vocab) + k for k, m in enumerate(merges)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(m[0], m[1]) for m in merges]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
