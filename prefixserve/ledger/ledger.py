@@ -3,6 +3,9 @@
     request thread ──record()──▶ SimpleQueue ──▶ writer thread ──▶ SQLite (WAL)
                                                   batches for <= max_delay_s, one commit per batch
 
+The queue and the thread are ledger/writer.py's, shared with the stored responses; what a batch's
+commit does, and how it fails, is this module's.
+
 Durability: a record handed to `record()` is committed within about `max_delay_s` plus one
 commit (tens of milliseconds; never more than ~0.2 s on a healthy disk). A crash (SIGKILL, power
 cut) loses only what was not yet committed; a record is never written twice (request_id UNIQUE,
@@ -11,22 +14,18 @@ INSERT OR IGNORE), so replays after a restart are harmless.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import queue
 import sqlite3
 import threading
-import time
 from dataclasses import dataclass
 from typing import Self
 
 from prefixserve.ledger import store
 from prefixserve.ledger.pricing import Pricing
 from prefixserve.ledger.records import UsageQuery, UsageRecord, UsageRow
+from prefixserve.ledger.writer import BackgroundWriter, retry_until_done
 
 logger = logging.getLogger(__name__)
-
-_STOP = object()  # queue marker: commit what came before, then exit
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +60,21 @@ class Ledger:
         store.init_schema(path)
         self.path = path
         self.pricing = pricing if pricing is not None else Pricing.default()
-        self._max_delay_s = max_delay_s
-        self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders record() against close(); guards the counters
-        self._closed = False
-        self._num_recorded = 0
         self._num_written = 0
         self._num_duplicates = 0
         self._num_dropped = 0
         self._num_write_errors = 0
-        self._writer = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
-        self._writer.start()
-        atexit.register(self.close)  # a process that forgets close() still commits on exit
+        self._writer: BackgroundWriter[UsageRecord] = BackgroundWriter(
+            label="usage ledger",
+            log=logger,
+            thread_name="ledger-writer",
+            connect=lambda: store.connect(path),
+            commit=self._commit,
+            max_delay_s=max_delay_s,
+            max_batch=max_batch,
+            lock=self._lock,
+        )
 
     def record(self, rec: UsageRecord) -> None:
         """Queue `rec` for the writer. Safe from any thread, O(1), never raises, never blocks on I/O.
@@ -84,11 +85,9 @@ class Ledger:
         try:
             if not isinstance(rec, UsageRecord):
                 raise TypeError(f"expected a UsageRecord, got {type(rec).__name__}")
+            if self._writer.put(rec):
+                return
             with self._lock:
-                if not self._closed:
-                    self._queue.put(rec)
-                    self._num_recorded += 1
-                    return
                 self._num_dropped += 1
             logger.error("usage ledger closed; dropped %r", rec)
         except Exception:  # the hot path must not fail because of accounting
@@ -100,15 +99,7 @@ class Ledger:
         Raises TimeoutError if that takes longer than `timeout` (e.g. the disk is failing; the
         writer keeps retrying). After close() it only waits for close()'s final commit.
         """
-        done = threading.Event()
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._queue.put(done)
-        if closed:
-            self._writer.join(timeout)  # close() already queued the final commit
-            return
-        if not done.wait(timeout):
+        if not self._writer.flush(timeout):
             raise TimeoutError(f"usage ledger: records not durable after {timeout} s")
 
     def query(self, query: UsageQuery, *, flush: bool = True) -> list[UsageRow]:
@@ -139,25 +130,16 @@ class Ledger:
 
     def close(self, timeout: float = 10.0) -> None:
         """Commit everything recorded so far and stop the writer. Idempotent; later record()s drop."""
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-            if first:
-                self._queue.put(_STOP)
-        if first:
-            atexit.unregister(self.close)
-        self._writer.join(timeout)
-        if self._writer.is_alive():
-            logger.error("usage ledger: writer did not finish within %s s; records may be lost", timeout)
+        self._writer.close(timeout)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._writer.closed
 
     def stats(self) -> LedgerStats:
         with self._lock:
             return LedgerStats(
-                self._num_recorded,
+                self._writer.num_queued,
                 self._num_written,
                 self._num_duplicates,
                 self._num_dropped,
@@ -172,67 +154,32 @@ class Ledger:
 
     # --- writer thread -------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        conn = store.connect(self.path)
+    def _commit(self, conn: sqlite3.Connection, batch: list[UsageRecord]) -> bool:
+        """The writer's commit (ledger/writer.py): True once `batch` is durable. A failure other than
+        SQLite's is a bug: the batch is logged and counted as dropped, its flushes time out, and the
+        writer goes on with later records."""
         try:
-            stop = False
-            while not stop:
-                batch, waiters, stop = self._collect()
-                try:
-                    self._commit(conn, batch)
-                except Exception:  # a bug; keep serving later records, leave these waiters to time out
-                    logger.exception("usage ledger: lost a batch of %d records", len(batch))
-                    with self._lock:
-                        self._num_dropped += len(batch)
-                    continue
-                for done in waiters:
-                    done.set()
-            try:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            except sqlite3.Error:
-                logger.warning("usage ledger: final checkpoint failed", exc_info=True)
-        finally:
-            conn.close()
+            self._commit_batch(conn, batch)
+        except Exception:
+            logger.exception("usage ledger: lost a batch of %d records", len(batch))
+            with self._lock:
+                self._num_dropped += len(batch)
+            return False
+        return True
 
-    def _collect(self) -> tuple[list[UsageRecord], list[threading.Event], bool]:
-        """Block for the first item, then gather more for up to max_delay_s. A flush or stop marker
-        ends the batch at once, so it holds exactly what was queued before the marker."""
-        batch: list[UsageRecord] = []
-        waiters: list[threading.Event] = []
-        item = self._queue.get()
-        deadline = time.monotonic() + self._max_delay_s
-        while True:
-            if item is _STOP:
-                return batch, waiters, True
-            if isinstance(item, threading.Event):
-                waiters.append(item)
-                return batch, waiters, False
-            batch.append(item)  # type: ignore[arg-type]  # record() admits only UsageRecords
-            if len(batch) >= self._max_batch:
-                return batch, waiters, False
-            remaining = deadline - time.monotonic()
-            try:
-                item = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                return batch, waiters, False
-
-    def _commit(self, conn: sqlite3.Connection, batch: list[UsageRecord]) -> None:
+    def _commit_batch(self, conn: sqlite3.Connection, batch: list[UsageRecord]) -> None:
         """Commit `batch`, retrying transient failures (locked, I/O error, disk full) with backoff
         until it succeeds. Rows SQLite refuses outright are isolated, logged and dropped."""
         if not batch:
             return
         rows = [store.to_row(rec, self.pricing) for rec in batch]
-        backoff_s = 0.05
-        while True:
-            try:
-                num_new, num_refused = _insert_isolating_refused(conn, rows)
-                break
-            except sqlite3.Error:
-                with self._lock:
-                    self._num_write_errors += 1
-                logger.exception("usage ledger: commit of %d records failed; retrying", len(rows))
-                time.sleep(backoff_s)
-                backoff_s = min(2.0, backoff_s * 2)
+
+        def failed() -> None:
+            with self._lock:
+                self._num_write_errors += 1
+            logger.exception("usage ledger: commit of %d records failed; retrying", len(rows))
+
+        num_new, num_refused = retry_until_done(lambda: _insert_isolating_refused(conn, rows), failed)
         with self._lock:
             self._num_written += num_new
             self._num_dropped += num_refused

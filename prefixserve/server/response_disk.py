@@ -3,6 +3,7 @@ client's `previous_response_id` chain, GET /v1/responses/{id}, its input items a
 survive a restart or a redeploy (OpenAI keeps stored responses for 30 days; clients expect them to last).
 
     ResponseStore (memory: reads, the bounds) ──put / touch / delete──▶ SimpleQueue ──▶ writer thread ──▶ SQLite (WAL)
+                                                    (ledger/writer.py's, as the usage ledger's)
 
 Memory stays where requests read from: a chained request is prepared on the event loop when its prompt
 is remembered (server/app.py), and it must not wait for a disk. The file is read once, when the server
@@ -21,18 +22,16 @@ Measured, and the design's trade-offs: docs/architecture.md, "Stored responses".
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
-import queue
 import sqlite3
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prefixserve.ledger.writer import BackgroundWriter, retry_until_done
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,6 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
 _PUT = f"INSERT OR REPLACE INTO {TABLE} (tenant_id, response_id, used, messages, items, response) VALUES (?, ?, ?, ?, ?, ?)"
 _TOUCH = f"UPDATE {TABLE} SET used = ? WHERE tenant_id = ? AND response_id = ?"
 _DELETE = f"DELETE FROM {TABLE} WHERE tenant_id = ? AND response_id = ?"
-_STOP = object()  # queue marker: commit what came before, then exit
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +99,15 @@ class ResponseDisk:
             _init_schema(conn, path)
         finally:
             conn.close()
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
         self.num_write_errors = 0  # failed commit attempts (each retried)
-        self._writer = threading.Thread(target=self._run, name="response-store-writer", daemon=True)
-        self._writer.start()
-        atexit.register(self.close)  # a process that forgets close() still commits on exit
+        self._writer: BackgroundWriter[tuple[str, tuple[Any, ...]]] = BackgroundWriter(
+            label="stored responses",
+            log=logger,
+            thread_name="response-store-writer",
+            connect=lambda: _connect(path),
+            commit=self._commit,
+            max_batch=1024,
+        )
 
     def load(self) -> Iterator[Loaded]:
         """Every readable row, least recently used first. A row that does not decode to a stored response
@@ -137,89 +137,38 @@ class ResponseDisk:
 
     def flush(self, timeout: float = 5.0) -> None:
         """Block until everything queued before the call is committed. Raises TimeoutError past `timeout`."""
-        done = threading.Event()
-        if not self._send(done):
-            self._writer.join(timeout)
-            return
-        if not done.wait(timeout):
+        if not self._writer.flush(timeout):
             raise TimeoutError(f"stored responses not durable in {self.path} after {timeout} s")
 
     def close(self, timeout: float = 10.0) -> None:
         """Commit what is queued and stop the writer. Idempotent; later writes are dropped (and logged)."""
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-            if first:
-                self._queue.put(_STOP)
-        if first:
-            atexit.unregister(self.close)
-        self._writer.join(timeout)
-        if self._writer.is_alive():
-            logger.error("stored responses: the writer did not finish within %s s; the last writes may be lost", timeout)
+        self._writer.close(timeout)
 
-    def _send(self, op: object) -> bool:
-        with self._lock:
-            if not self._closed:
-                self._queue.put(op)
-                return True
-        if not isinstance(op, threading.Event):
+    def _send(self, op: tuple[str, tuple[Any, ...]]) -> None:
+        if not self._writer.put(op):
             logger.error("stored responses: closed; a write to %s was dropped", self.path)
-        return False
 
-    # --- writer thread -------------------------------------------------------------------------
+    # --- writer thread (ledger/writer.py's) ----------------------------------------------------
 
-    def _run(self) -> None:
-        conn = _connect(self.path)
-        try:
-            stop = False
-            while not stop:
-                ops, waiters, stop = self._collect()
-                self._commit(conn, ops)
-                for done in waiters:
-                    done.set()
-            try:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            except sqlite3.Error:
-                logger.warning("stored responses: final checkpoint failed", exc_info=True)
-        finally:
-            conn.close()
-
-    def _collect(self) -> tuple[list[tuple[str, tuple[Any, ...]]], list[threading.Event], bool]:
-        """Block for the first item, then take what else is queued now (one transaction for a burst)."""
-        ops: list[tuple[str, tuple[Any, ...]]] = []
-        waiters: list[threading.Event] = []
-        item = self._queue.get()
-        while True:
-            if item is _STOP:
-                return ops, waiters, True
-            if isinstance(item, threading.Event):
-                waiters.append(item)
-            else:
-                ops.append(item)  # type: ignore[arg-type]  # _send's callers queue (sql, params)
-            if len(ops) >= 1024:
-                return ops, waiters, False
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return ops, waiters, False
-
-    def _commit(self, conn: sqlite3.Connection, ops: list[tuple[str, tuple[Any, ...]]]) -> None:
+    def _commit(self, conn: sqlite3.Connection, ops: list[tuple[str, tuple[Any, ...]]]) -> bool:
         """All of `ops` in one transaction, retried with backoff until it commits: a failing disk delays
         the file (memory keeps serving), and no write is dropped, so a DELETE can never come back."""
-        backoff_s = 0.05
-        while ops:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                for sql, params in ops:
-                    conn.execute(sql, params)
-                conn.execute("COMMIT")
-                return
-            except sqlite3.Error:
-                _rollback(conn)
-                self.num_write_errors += 1
-                logger.exception("stored responses: a commit of %d writes to %s failed; retrying", len(ops), self.path)
-                time.sleep(backoff_s)
-                backoff_s = min(2.0, backoff_s * 2)
+        if not ops:
+            return True
+
+        def attempt() -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            for sql, params in ops:
+                conn.execute(sql, params)
+            conn.execute("COMMIT")
+
+        def failed() -> None:
+            _rollback(conn)
+            self.num_write_errors += 1
+            logger.exception("stored responses: a commit of %d writes to %s failed; retrying", len(ops), self.path)
+
+        retry_until_done(attempt, failed)
+        return True
 
 
 def _connect(path: str) -> sqlite3.Connection:
