@@ -73,7 +73,7 @@ def test_uvicorn_writes_no_access_line_of_its_own(monkeypatch: pytest.MonkeyPatc
         pass
 
     class FakeServer:
-        def __init__(self, config: Any, engine: Any, grace_s: float) -> None:
+        def __init__(self, config: Any, engine: Any, grace_s: float, **kwargs: Any) -> None:
             captured["access_log"] = config.access_log
             raise Stop
 
