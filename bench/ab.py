@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
 import statistics
 import subprocess
@@ -56,7 +57,14 @@ def main() -> int:
             port = free_port()
             cmd = [sys.executable, "-m", "prefixserve.server", "--no-ledger", "--host", "127.0.0.1",
                    "--port", str(port), "--api-key", API_KEY]
-            servers[name] = ServerProcess(name, cmd, port, API_KEY, tmp / f"{name}.log", env={"PYTHONPATH": str(path)})
+            # run in the tree itself: `python -m` puts its working directory first on sys.path, so from
+            # the repository root both servers were the working tree's (every A/B before 2026-12-04)
+            env = {"PYTHONPATH": str(path)}
+            where = subprocess.run([sys.executable, "-c", "import prefixserve; print(prefixserve.__file__)"], cwd=path,
+                                   env={**os.environ, **env}, capture_output=True, text=True, check=True).stdout.strip()
+            if not Path(where).resolve().is_relative_to(Path(path).resolve()):
+                raise SystemExit(f"the {name} server would import prefixserve from {where}, not from {path}")
+            servers[name] = ServerProcess(name, cmd, port, API_KEY, tmp / f"{name}.log", env=env, cwd=Path(path))
         with servers["old"], servers["new"]:
             asyncio.run(interleave(servers, {n: s.model_id() for n, s in servers.items()}, steps, suites, lambda n: None))
         for name, suite in suites.items():

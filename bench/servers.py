@@ -40,9 +40,11 @@ class ServerProcess:
         log_path: Path,
         ready_timeout_s: float = 600.0,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.cmd = cmd
+        self.cwd = cwd  # `python -m` imports from its working directory before PYTHONPATH
         self.port = port
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{port}"
@@ -80,6 +82,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: stop() reaches every child
             env={**os.environ, **(self.env or {})},
+            cwd=self.cwd,
         )
         log.close()
         self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
