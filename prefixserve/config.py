@@ -170,7 +170,7 @@ class ServerConfig:
 
 
 def default_data_dir(environ: Mapping[str, str]) -> str:
-    """The one data directory (usage ledger, disk cache tier) when no flag names one:
+    """The one data directory (usage ledger, stored responses, disk cache tier) when no flag names one:
     $PREFIXSERVE_DATA_DIR, else $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve (the XDG
     base-directory default). Pure but for expanding ~ through `environ`'s HOME."""
     if environ.get("PREFIXSERVE_DATA_DIR"):
