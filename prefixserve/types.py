@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class FinishReason(str, enum.Enum):

@@ -24,7 +24,6 @@ from prefixserve.cache.shared_keys import (
     MAC_BYTES,
     MARK_TOKENS,
     add,
-    lcp,
     mac,
     marker_keys,
     ns_prefix,
@@ -43,7 +42,7 @@ from prefixserve.cache.tier import (
     usable_len,
 )
 from prefixserve.config import SharedTierConfig
-from prefixserve.types import FlushScope, Namespace
+from prefixserve.types import FlushScope, Namespace, lcp
 
 log = logging.getLogger("prefixserve.cache")  # constants below: docs/cache.md, "Shared tier"
 MAX_PENDING_WRITES = 64  # values are whole states (MBs): more queued than this are dropped, counted

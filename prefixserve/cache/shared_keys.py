@@ -55,9 +55,5 @@ def mac(secret: bytes, key: str, body: bytes | memoryview) -> bytes:
     return h.digest()
 
 
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 def add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return a[0] + b[0], a[1] + b[1]

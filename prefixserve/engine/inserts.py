@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prefixserve.cache import Hit, Miss
 from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner import SessionState
-from prefixserve.types import Namespace
+from prefixserve.types import Namespace, lcp
 
 if TYPE_CHECKING:
     from prefixserve.engine.core import EngineCore
@@ -108,7 +108,7 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         if core.cache.get(ns, key) is not None or core.refills.holds(ns, key):
             return
         fed = prompt + tuple(s.output_ids[: st.num_tokens - s.prompt_len]) if dense else prompt  # exact in st
-        same = next((k for k, (a, b) in enumerate(zip(key, fed)) if a != b), min(len(key), len(fed)))
+        same = lcp(key, fed)
         if st.truncatable and same == len(key):  # nothing to re-feed (a reply the history leaves out)
             st.truncate(same)
             store(core, ns, key, st)

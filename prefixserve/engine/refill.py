@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from prefixserve.engine.session import TurnRefill
 from prefixserve.runner import ModelRunner, SessionState, StepItem
-from prefixserve.types import Namespace
+from prefixserve.types import Namespace, lcp
 
 MAX_PENDING_REFILLS = 8  # each holds its session's KV; past this the oldest is dropped
 
@@ -102,8 +102,7 @@ class TurnRefills:
             self._queue.appendleft(r)
             while r in self._queue:
                 self.run_layer()
-            same = next((i for i, (a, b) in enumerate(zip(prompt_ids, r.token_ids)) if a != b),
-                        min(len(prompt_ids), len(r.token_ids)))
+            same = lcp(prompt_ids, r.token_ids)
             if same - n > span[1] - span[0]:
                 span = (n, same)
         return span

@@ -12,7 +12,7 @@ from typing import Any
 
 from prefixserve.models.arch import ModelLoadError
 from prefixserve.models.thinking import split_reasoning
-from prefixserve.types import HistoryForm, TemplateError
+from prefixserve.types import HistoryForm, TemplateError, lcp
 
 MARK_OPEN, MARK_CLOSE = "\ue000\ue001", "\ue002"  # private-use characters around a written text's number
 MARK = re.compile(f"{MARK_OPEN}(\\d+){MARK_CLOSE}")
@@ -202,7 +202,7 @@ class Tokenizer:
             except TemplateError:
                 self._forms[key] = (0, "")
                 return self._forms[key]
-            n = next((k for k, (a, b) in enumerate(zip(prompt, history)) if a != b), min(len(prompt), len(history)))
+            n = lcp(prompt, history)
             with self._lock:
                 after = self.hf.decode(history[n:], skip_special_tokens=False)
             at = after.find(PROBE)
