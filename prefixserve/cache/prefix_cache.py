@@ -70,24 +70,19 @@ class PrefixCache(Generic[S]):
         deepest resume point within that (CachedState, docs/hybrid.md). To copy the state, pin
         the entry (`pinned`) before returning to anything that could insert or evict.
         """
-        space = self._space(ns)
-        counters = space.counters
+        counters = self._space(ns).counters
         counters.num_lookups += 1
-        if space.index.num_entries == 0:
+        hit = self.peek(ns, token_ids)
+        if not isinstance(hit, Hit):
             counters.num_misses += 1
-            return Miss(0)
-        prompt = token_ids if type(token_ids) is tuple else tuple(token_ids)
-        match = space.index.match(prompt)
-        if match.entry is None:
-            counters.num_misses += 1
-            return Miss(match.lcp_len)
-        self._lru.move_to_end(match.entry)
-        counters.num_cached_tokens += match.num_cached_tokens
-        if match.num_cached_tokens == len(prompt):
+            return hit
+        self._lru.move_to_end(hit.entry)
+        counters.num_cached_tokens += hit.num_cached_tokens
+        if hit.num_cached_tokens == len(token_ids):
             counters.num_full_hits += 1
         else:
             counters.num_partial_hits += 1
-        return Hit(match.entry, match.num_cached_tokens, match.lcp_len)
+        return hit
 
     def insert(self, ns: Namespace, token_ids: Sequence[int], state: S) -> InsertResult[S]:
         """Cache `state`, the model state after the prompt `token_ids`, in namespace `ns`.
@@ -154,10 +149,12 @@ class PrefixCache(Generic[S]):
         return hit.num_cached_tokens if isinstance(hit, Hit) else 0
 
     def peek(self, ns: Namespace, token_ids: Sequence[int]) -> Hit[S] | Miss:
-        """What `lookup` would return, without counting or touching recency. Does not mutate."""
+        """What `lookup` returns, without counting or touching recency. Does not mutate."""
         space = self._spaces.get(ns)
-        match = None if space is None or space.index.num_entries == 0 else space.index.match(tuple(token_ids))
-        return Miss(0) if match is None or match.entry is None else Hit(match.entry, match.num_cached_tokens, match.lcp_len)
+        if space is None or space.index.num_entries == 0:
+            return Miss(0)
+        match = space.index.match(token_ids if type(token_ids) is tuple else tuple(token_ids))
+        return Miss(match.lcp_len) if match.entry is None else Hit(match.entry, match.num_cached_tokens, match.lcp_len)
 
     def evict(self, num_bytes: int) -> int:
         """Evict least recently used unpinned entries until at least `num_bytes` are freed or none
