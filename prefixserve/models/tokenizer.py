@@ -139,13 +139,6 @@ class Tokenizer:
                     ids += self.hf.encode(piece, add_special_tokens=False)
             return ids
 
-    def echoed(self, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
-        """The reply's ids as they follow the prompt in a client's next request when it sends the
-        reply back as text (a completion's prompt + text, a chat whose template writes the reply right
-        after its generation prompt): `next_turn` without a template's own form, less the prompt."""
-        turn = self.next_turn(prompt_ids, reply_ids)
-        return None if turn is None else turn[len(prompt_ids):]
-
     def next_turn(self, prompt_ids: Sequence[int], reply_ids: Sequence[int],
                   form: HistoryForm | None = None) -> tuple[int, ...] | None:
         """Prompt + reply as a client's next request holds them when it sends the reply back as text.

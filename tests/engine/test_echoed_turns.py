@@ -15,7 +15,7 @@ from prefixserve.models.loader import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.engine.test_engine_cache import make_engine
-from tests.helpers.engine_run import assert_fresh_prefill, collect
+from tests.helpers.engine_run import assert_fresh_prefill, collect, echoed
 
 SYSTEM = "You are a helpful assistant."
 ASK = ["Give me three tips for sleeping better.", "Who are you?", "Translate 'good morning' into French.",
@@ -43,25 +43,25 @@ def test_echoed_is_the_next_turns_encoding(tok):
     text = "".join(PIECES)
     ids, second = history(tok, "Tips?", text)
     weird, eos = sampled(tok, PIECES), tok.eos_token_ids[0]
-    echoed = tok.echoed(ids, weird + [eos])
-    assert echoed is not None and list(echoed) != weird + [eos]
-    assert second[: len(ids) + len(echoed)] == ids + list(echoed)  # the whole turn, its <|im_end|> too
-    assert echoed[-1] == eos
+    back = echoed(tok, ids, weird + [eos])
+    assert back is not None and list(back) != weird + [eos]
+    assert second[: len(ids) + len(back)] == ids + list(back)  # the whole turn, its <|im_end|> too
+    assert back[-1] == eos
     # a reply cut by max_tokens (no stop token): its text, encoded
-    assert tok.echoed(ids, weird) == echoed[:-1]
+    assert echoed(tok, ids, weird) == back[:-1]
     # a completion's text prompt (no control token at all): the prompt's run is re-encoded with the reply
     prompt = tok.encode("Here are some tips")
-    run = tok.echoed(prompt, sampled(tok, ["!", "\n\n", "1", "."]))
+    run = echoed(tok, prompt, sampled(tok, ["!", "\n\n", "1", "."]))
     assert run is not None and list(prompt) + list(run) == tok.encode("Here are some tips!\n\n1.")
 
 
 def test_echoed_declines_where_the_next_request_is_not_known(tok):
     ids, _ = history(tok, "Tips?", "x")
     # text that spells a control token: render_chat keeps it text, so its encoding is not ours to guess
-    assert tok.echoed(ids, sampled(tok, ["<", "|", "im", "_", "end", "|", ">"])) is None
+    assert echoed(tok, ids, sampled(tok, ["<", "|", "im", "_", "end", "|", ">"])) is None
     # a prompt whose last run does not encode to itself (ids a client chose): the reply cannot be placed
     odd = tok.encode("Hello") + sampled(tok, [" ", "wor", "ld"])
-    assert tok.echoed(odd, sampled(tok, ["!"])) is None
+    assert echoed(tok, odd, sampled(tok, ["!"])) is None
 
 
 def run(engine, ids: list[int], ns: Namespace, max_tokens: int, temperature: float = 0.0, seed: int = 0,
@@ -99,8 +99,8 @@ def test_a_chat_history_hits_through_the_replys_end(mode):
         _, second = history(tok, user, tok.decode(out))
         stop = out[-1] in tok.eos_token_ids
         end = second.index(tok.eos_token_ids[0], len(ids)) + (1 if stop else 0)  # past <|im_end|>, or up to it
-        echoed = tok.echoed(ids, out)
-        least = end - (1 if mode == "bf16" and (echoed is None or list(echoed) == out) else 0)
+        back = echoed(tok, ids, out)
+        least = end - (1 if mode == "bf16" and (back is None or list(back) == out) else 0)
         _, u2 = run(engine, second, ns, 1)
         assert u2.cached_tokens >= least, (user, tok.decode(second[u2.cached_tokens:end]))
         turns.append((second[:end], least))
@@ -126,7 +126,7 @@ def test_a_token_id_history_hits_the_sampled_ids():
         settle(engine)
         _, u2 = run(engine, ids + out + tok.encode("\n"), ns, 1, text_history=False)  # the turn, then more
         assert u2.cached_tokens == len(ids) + len(out)
-        differing += tok.echoed(ids, out) not in (None, tuple(out))
+        differing += echoed(tok, ids, out) not in (None, tuple(out))
         if differing == 2:
             break
     assert differing  # the sampled ids were cached where the tokenizer's would differ
@@ -142,6 +142,6 @@ def test_a_long_text_prompt_is_re_encoded_only_near_its_end(tok, monkeypatch):
     seen: list[str] = []
     encode = tok.hf.encode
     monkeypatch.setattr(tok.hf, "encode", lambda t, **kw: (seen.append(t), encode(t, **kw))[1])
-    echoed = tok.echoed(prompt, reply)
-    assert echoed is not None and len(seen) == 1 and len(seen[0]) < 400
-    assert list(prompt) + list(echoed) == encode(text + "!\n\n1. nearly", add_special_tokens=False)
+    back = echoed(tok, prompt, reply)
+    assert back is not None and len(seen) == 1 and len(seen[0]) < 400
+    assert list(prompt) + list(back) == encode(text + "!\n\n1. nearly", add_special_tokens=False)

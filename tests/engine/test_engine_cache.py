@@ -12,7 +12,7 @@ from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.conftest import load_embedded
-from tests.helpers.engine_run import assert_fresh_prefill, collect
+from tests.helpers.engine_run import assert_fresh_prefill, collect, echoed
 
 pytestmark = pytest.mark.slow
 
@@ -112,10 +112,10 @@ def test_next_chat_turn_hits_its_own_history(mode, think):
     assert u1.cached_tokens == 0
     # the turn's key: the reply as its text encodes where the model split it otherwise (re-fed by a
     # refill in either mode), else as sampled (dense decode never fed its last token: stored as it is)
-    echoed = engine.tokenizer.echoed(ids1, out)
-    refilled = mode == "int4" or (echoed is not None and list(echoed) != out)
-    if echoed is not None and list(echoed) != out:
-        turn = tuple(ids1) + echoed
+    back = echoed(engine.tokenizer, ids1, out)
+    refilled = mode == "int4" or (back is not None and list(back) != out)
+    if back is not None and list(back) != out:
+        turn = tuple(ids1) + back
     else:
         turn = tuple(ids1) + tuple(out if mode == "int4" else out[:-1])
     if pending:  # the refill ran at turn 2's admission: cached in the end, but computed for turn 2

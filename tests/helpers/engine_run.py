@@ -1,5 +1,5 @@
-"""Engine-level test helpers: run one request to its end, and check a cached state bit for bit
-against a fresh prefill of its tokens."""
+"""Engine-level test helpers: run one request to its end, check a cached state bit for bit against
+a fresh prefill of its tokens, and the reply ids a text client sends back."""
 
 from __future__ import annotations
 
@@ -34,3 +34,10 @@ def assert_fresh_prefill(runner: Any, snapshot: Any, tokens: Sequence[int], chun
     rec = getattr(restored, "rec", None)
     for name in ("conv", "cell", "delta") if rec is not None else ():
         assert torch.equal(getattr(rec, name), getattr(fresh.rec, name)), name
+
+
+def echoed(tok: Any, prompt_ids: Sequence[int], reply_ids: Sequence[int]) -> tuple[int, ...] | None:
+    """The reply's ids as they follow the prompt in a client's next request that sends the reply back
+    as text (a template that writes it right after its generation prompt): `next_turn` less the prompt."""
+    turn = tok.next_turn(prompt_ids, reply_ids)
+    return None if turn is None else turn[len(prompt_ids):]
