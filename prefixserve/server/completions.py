@@ -55,7 +55,8 @@ def prepare_completion(
     if body.suffix:
         raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
     keyed = None if memo is None else (memo, params.namespace(engine.model_id, tenant_id, salt))
-    prompts = prompts_token_ids(body.prompt, engine, keyed)
+    given = given_prompts(body.prompt)
+    prompts = [prompt_token_ids(p, engine, keyed) for p in given]
     for ids in prompts:
         check_fits(len(ids), engine.max_model_len)
     if len(prompts) > 1 and best_of > n:
@@ -72,11 +73,11 @@ def prepare_completion(
                             logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
                             echo=tuple((engine.tokenizer.decode(ids), ids[0]) for ids in prompts) if body.echo else (),
                             per_prompt=best_of)
-    first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n)
-    texts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list) else [body.prompt]
-    first = replace(first, request=replace(first.request, text_history=isinstance(texts[0], str)))
+    # a text prompt's client sends the completion back as text, a prompt of ids as ids (engine/inserts.py)
+    first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n,
+                     text_history=isinstance(given[0], str))
     more = tuple(replace(first.request, request_id=f"{shape.id}-{k}", prompt_ids=tuple(ids),
-                         text_history=isinstance(texts[k], str))
+                         text_history=isinstance(given[k], str))
                  for k, ids in enumerate(prompts[1:], 1))
     return replace(first, more=more)
 
@@ -84,15 +85,17 @@ def prepare_completion(
 def prepared(
     engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
     salt: str, shape: Shape, num_choices: int = 1, num_returned: int | None = None, history: HistoryForm | None = None,
+    text_history: bool = True,
 ) -> Prepared:
     """The engine Request (namespace from the tenant and salt alone) and the response shape;
-    `history`: how a chat's next request writes the reply back (types.HistoryForm)."""
+    `history`, `text_history`: how the client's next request holds the reply (types.Request)."""
     request = Request(
         request_id=shape.id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),
         prompt_ids=tuple(prompt_ids),
         sampling=sampling,
         num_choices=num_choices,
+        text_history=text_history,
         history=history,
     )
     return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id,
@@ -103,17 +106,15 @@ def include_usage(body: Any) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def prompts_token_ids(
-    prompt: Any, engine: EngineClient, memo: tuple[PromptMemo, Namespace] | None = None
-) -> list[list[int]]:
-    """str | list[int] | [str, ...] | [list[int], ...] -> one list of token ids per prompt (each non-empty)."""
+def given_prompts(prompt: Any) -> list[Any]:
+    """str | list[int] | [str, ...] | [list[int], ...] -> the prompts as given, one per entry."""
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [prompt_token_ids(p, engine, memo) for p in prompt]
-    return [prompt_token_ids(prompt, engine, memo)]
+        return prompt
+    return [prompt]
 
 
 def prompt_token_ids(prompt: Any, engine: EngineClient, memo: tuple[PromptMemo, Namespace] | None = None) -> list[int]:
