@@ -102,11 +102,11 @@ def _build_core(
 
             assert cache_config.disk_dir is not None
             disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__,
-                            SnapshotCodec())
+                            SnapshotCodec(device))
         if cache_config.shared is not None:
             from prefixserve.cache.shared import SharedTier
 
-            shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec())
+            shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec(device))
     max_len = loaded.arch.max_position
     if model_config.max_model_len is not None:
         if model_config.max_model_len > max_len:

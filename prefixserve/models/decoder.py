@@ -275,7 +275,7 @@ class Decoder:
             mine = decoded[[r for r in last_rows if r < nd]]
             return torch.cat([mine, self._logits(h[rest])]) if rest else mine
         if not last_rows:
-            return torch.empty(0, a.vocab_size)
+            return torch.empty(0, a.vocab_size, device=self.device)
         return self._logits(h[last_rows])
 
     def _matmul(self, site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,

@@ -163,7 +163,7 @@ class HybridDecoder:
         score_segments(segments, h, self._logits)
         last_rows = logit_rows(segments)
         if not last_rows:
-            return torch.empty(0, a.vocab_size)
+            return torch.empty(0, a.vocab_size, device=self.device)
         return self._logits(h[last_rows])
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:

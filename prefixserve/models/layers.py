@@ -224,8 +224,8 @@ def _attention_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scores = torch.matmul(qg.unsqueeze(1), kb.transpose(-1, -2))  # [kv_heads, num_blocks, rep * tile, BLOCK]
     # only blocks at or after the tile's first position can hold keys in a row's future
     first = start // BLOCK
-    q_pos = (torch.arange(start, start + tile).clamp(max=key_len - 1)).repeat(rep)
-    k_pos = torch.arange(first * BLOCK, num_blocks * BLOCK).view(num_blocks - first, 1, BLOCK)
+    q_pos = (torch.arange(start, start + tile, device=q.device).clamp(max=key_len - 1)).repeat(rep)
+    k_pos = torch.arange(first * BLOCK, num_blocks * BLOCK, device=q.device).view(num_blocks - first, 1, BLOCK)
     future = k_pos > q_pos.view(1, rep * tile, 1)  # [num_blocks - first, rep * tile, BLOCK]
     scores[:, first:].masked_fill_(future, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=1, keepdim=True)
@@ -287,8 +287,8 @@ def batched_decode_attention(
     qg = (q.float() * head_dim**-0.5).view(num_sessions, num_kv_heads, rep, 1, head_dim)
     qg = qg.expand(num_sessions, num_kv_heads, rep, tile, head_dim).reshape(num_sessions, num_kv_heads, rep * tile, head_dim)
     scores = torch.matmul(qg.unsqueeze(2), kb.transpose(-1, -2))  # [S, kv_heads, num_blocks, rep * tile, BLOCK]
-    q_pos = torch.tensor(starts).view(num_sessions, 1, 1, 1, 1)
-    k_pos = torch.arange(keys).view(1, 1, num_blocks, 1, BLOCK)
+    q_pos = torch.tensor(starts, device=q.device).view(num_sessions, 1, 1, 1, 1)
+    k_pos = torch.arange(keys, device=q.device).view(1, 1, num_blocks, 1, BLOCK)
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)
     e = torch.exp(scores - row_max)

@@ -1,7 +1,8 @@
 """A cached state as bytes, for the lower cache tiers (prefixserve/cache/disk.py, cache/shared.py):
 the raw bits of each KV piece and of the logits, with the shapes and dtype in `meta`; a hybrid
 snapshot (runner/hybrid_state.py) adds its recurrent state and checkpoints after them. KV decoding
-copies nothing: the tensors view the loaded buffer. Never pickles. See docs/cache.md, docs/hybrid.md."""
+copies nothing on the CPU: the tensors view the loaded buffer (on a GPU they are copied to the model's
+device, where the session states live). Never pickles. See docs/cache.md, docs/hybrid.md."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ HYBRID = "hybrid"  # meta["kind"] of a hybrid snapshot; a KV snapshot's meta has
 
 
 class SnapshotCodec:
-    """Implements cache.tier.Codec for KVSnapshot and HybridSnapshot."""
+    """Implements cache.tier.Codec for KVSnapshot and HybridSnapshot. `device`: the model's, where
+    decoded KV pieces and recurrent states go (logits stay on the CPU, as the runner keeps them)."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
 
     def encode(self, state: KVSnapshot | HybridSnapshot) -> tuple[dict[str, Any], bytes]:
         """(meta, payload). Runs on the tier's writer thread: reads the immutable pieces only."""
@@ -50,7 +55,7 @@ class SnapshotCodec:
         buf: bytearray | memoryview = payload
         if payload.readonly or torch.frombuffer(payload, dtype=torch.uint8, count=1).data_ptr() % 64:
             buf = bytearray(payload)  # torch.frombuffer wants writable, and the kernels aligned, memory
-        kvs, offset = _decode_kv(meta, buf)
+        kvs, offset = _decode_kv(meta, buf, self.device)
         if kvs.num_tokens != num_tokens:
             raise ValueError("payload does not match its meta")
         if kind is None:
@@ -60,7 +65,8 @@ class SnapshotCodec:
         tensors = []
         for dtype_name, shape in meta["tensors"]:
             t, offset = _tensor(buf, offset, dtype_name, shape)
-            tensors.append(t.clone())  # own memory: the storage keys (cache budget) and the buffer's life
+            # own memory: the storage keys (cache budget) and the buffer's life
+            tensors.append(t.clone() if self.device.type == "cpu" else t.to(self.device))
         points = [int(p) for p in meta["points"]]
         if offset != memoryview(buf).nbytes or len(tensors) != 3 * (1 + len(points)):
             raise ValueError("payload does not match its meta")
@@ -70,7 +76,7 @@ class SnapshotCodec:
         return HybridSnapshot.from_kv(kvs, recs[0], dict(zip(points, recs[1:], strict=True)))
 
 
-def _decode_kv(meta: dict[str, Any], buf: bytearray | memoryview) -> tuple[KVSnapshot, int]:
+def _decode_kv(meta: dict[str, Any], buf: bytearray | memoryview, device: torch.device) -> tuple[KVSnapshot, int]:
     """The KV snapshot at the start of `buf` and the offset after it (its logits included)."""
     dtype = _DTYPES.get(meta["dtype"])
     if dtype is None:
@@ -82,7 +88,10 @@ def _decode_kv(meta: dict[str, Any], buf: bytearray | memoryview) -> tuple[KVSna
     for start, end in meta["pieces"]:
         n = layers * two * heads * (end - start) * head_dim
         kv = torch.frombuffer(buf, dtype=dtype, count=n, offset=offset) if n else torch.empty(0, dtype=dtype)
-        pieces.append(KVPiece(start, end, ("loaded", id(buf), start), kv.view(layers, two, heads, end - start, head_dim)))
+        kv = kv.view(layers, two, heads, end - start, head_dim)
+        if device.type != "cpu":
+            kv = kv.to(device)
+        pieces.append(KVPiece(start, end, ("loaded", id(buf), start), kv))
         offset += n * size
     logits = None
     if meta["logits"]:
@@ -108,4 +117,4 @@ def _tensor(buf: bytearray | memoryview, offset: int, dtype_name: str, shape: li
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
