@@ -5,7 +5,7 @@ STAMP := $(VENV)/.prefixserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install redis-server serve test bench soak lint clean
+.PHONY: install redis-server serve test test-cuda bench soak lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,15 @@ redis-server:
 
 test: install redis-server
 	$(PY) -m pytest -q tests
+
+# The exactness, cache and hybrid tests with their models on a CUDA GPU (tests/conftest.py,
+# PREFIXSERVE_TEST_DEVICE). `make install` puts the CPU torch in .venv: run this with a Python whose
+# torch sees the GPU and has this project's packages, e.g. `make test-cuda PY=python3`.
+CUDA_TESTS := tests/runner/test_exactness.py tests/engine/test_engine_cache.py tests/engine/test_echoed_turns.py \
+	tests/engine/test_shared_pieces.py tests/engine/test_disk_tier.py tests/hybrid/test_hybrid_exactness.py \
+	tests/hybrid/test_hybrid_engine.py tests/hybrid/test_hybrid_tiers.py tests/hybrid/test_hybrid_http.py
+test-cuda:
+	PREFIXSERVE_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider $(or $(TESTS),$(CUDA_TESTS))
 
 # The long runs: the exactness test's 16 prompts in every mode (`make test` runs 6 for the modes only
 # a flag selects), and the reliability section (tests/reliability, also part of `make test`) with

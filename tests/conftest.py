@@ -14,6 +14,14 @@ import torch
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="prefixserve-xdg-")
 os.environ.pop("PREFIXSERVE_DATA_DIR", None)
 
+# PREFIXSERVE_TEST_DEVICE=cuda runs the model tests that honour it (the exactness, cache and hybrid
+# tests: `make test-cuda`) on the GPU; everything else, and CI, runs on the CPU.
+TEST_DEVICE = os.environ.get("PREFIXSERVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"PREFIXSERVE_TEST_DEVICE must be cpu or cuda, not {TEST_DEVICE!r}")
+if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+    raise pytest.UsageError("PREFIXSERVE_TEST_DEVICE=cuda but torch sees no CUDA device")
+
 _MODELS: dict[str, object] = {}
 # In-process model tests run on one thread: bits are the same for a fixed thread count, and two
 # threads stall badly whenever a server subprocess (or anything else) competes for the 2 cores.
@@ -26,14 +34,17 @@ def load_embedded(mode: str):
     refuse the mode, and then the test is skipped with the self-test's reason).
 
     mode: 'fp32' | 'bf16' (both with dense decode) | 'int4' (bf16, 4-bit decode rows: the server's
-    default; its dense tiles in fp32 where the CPU has no bf16 arithmetic)."""
+    default; its dense tiles in fp32 where the CPU has no bf16 arithmetic). On CUDA the server's
+    default is bf16 with dense decode (the 4-bit rows are a CPU kernel), and 'int4' loads that."""
+    if TEST_DEVICE == "cuda" and mode == "int4":
+        mode = "bf16"
     if mode not in _MODELS:
         from prefixserve.models import load_model
         from prefixserve.runner import ModelRunner
         from prefixserve.runner.selftest import self_test
 
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
-        m = load_model(None, dtype, decode_kernel="int4" if mode == "int4" else "dense")
+        m = load_model(None, dtype, TEST_DEVICE, decode_kernel="int4" if mode == "int4" else "dense")
         runner = ModelRunner(m.decoder, IN_PROCESS_THREADS)
         result = self_test(runner)
         refused = not result.ok or (mode == "int4" and result.decode_kernel != "int4")
@@ -46,6 +57,8 @@ def load_embedded(mode: str):
 
 @pytest.fixture(scope="session", params=["fp32", "bf16", "int4"])
 def embedded(request):
+    if TEST_DEVICE == "cuda" and request.param == "int4":
+        pytest.skip("4-bit decode rows are a CPU kernel: on CUDA the default is the bf16 case")
     return load_embedded(request.param)
 
 
@@ -65,3 +78,9 @@ def server_default_mode() -> str:
         except pytest.skip.Exception:
             continue
     return "fp32"
+
+
+def refeeds(mode: str) -> bool:
+    """Whether the mode's decode states differ from prefill ones, so a finished turn is re-fed before
+    it is cached (4-bit decode rows); dense decode (bf16, and every mode on CUDA) is cached as it is."""
+    return not load_embedded(mode)[1].decoder.decode_matches_prefill

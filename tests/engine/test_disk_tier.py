@@ -24,7 +24,8 @@ NS = Namespace("smol", "tenant-a")
 
 def make_core(path: Path, out: dict[str, list[Delta]]) -> EngineCore:
     model, runner = load_embedded("int4")
-    disk = DiskTier(str(path), 1 << 30, runner.decoder.kernel_fingerprint(), __version__, SnapshotCodec())
+    disk = DiskTier(str(path), 1 << 30, runner.decoder.kernel_fingerprint(), __version__,
+                    SnapshotCodec(runner.decoder.device))
     return EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
                       EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256, offer_finished_turns=False), 2048,
                       lambda rid, d: out.setdefault(rid, []).append(d), disk=disk)

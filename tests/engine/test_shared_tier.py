@@ -34,7 +34,7 @@ def redis_url() -> Iterator[RedisServer]:
 def make_core(url: str, out: dict[str, list[Delta]], mode: str = "int4") -> EngineCore:
     model, runner = load_embedded(mode)
     tier = SharedTier(SharedTierConfig(url, b"engine-test-secret-0123"), runner.decoder.kernel_fingerprint(),
-                      __version__, SnapshotCodec())
+                      __version__, SnapshotCodec(runner.decoder.device))
     return EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
                       EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256), 2048,
                       lambda rid, d: out.setdefault(rid, []).append(d), shared=tier)

@@ -18,6 +18,7 @@ from prefixserve.models.gated_delta import CELL
 from prefixserve.runner import ModelRunner
 from prefixserve.runner.hybrid_state import GRID, MAX_CHECKPOINTS, checkpoint_positions
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
+from tests.conftest import TEST_DEVICE
 from tests.helpers.engine_run import collect
 from tests.hybrid.tiny import make_model
 
@@ -29,7 +30,7 @@ SYSTEM = "You are a terse assistant for the Hybrid Test Suite. " * 4
 def model(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("qwen35e"))
     make_model(folder, layers=4, seed=21)
-    return load_model(folder, torch.float32)
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 def make_engine(model, max_bytes: int, chunk: int = 64) -> AsyncEngine:

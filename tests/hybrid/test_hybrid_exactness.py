@@ -18,6 +18,7 @@ from prefixserve.runner import ModelRunner, StepItem
 from prefixserve.runner.hybrid_state import GRID, HybridSnapshot, HybridState, checkpoint_positions
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import Namespace
+from tests.conftest import TEST_DEVICE
 from tests.hybrid.tiny import VOCAB, make_model
 
 torch.set_num_threads(1)
@@ -34,7 +35,7 @@ def runner(request, tmp_path_factory):
     from prefixserve.models.layers import TilePlan
 
     dtype = torch.float32 if request.param == "fp32" else torch.bfloat16
-    dec = build_hybrid(HybridHFModel(folder), dtype, "cpu", TilePlan())
+    dec = build_hybrid(HybridHFModel(folder), dtype, TEST_DEVICE, TilePlan())
     return ModelRunner(dec, 1)
 
 

@@ -22,6 +22,7 @@ from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.models import load_model
 from prefixserve.runner import ModelRunner
 from prefixserve.types import HistoryForm, Namespace, Request, SamplingParams, Usage
+from tests.conftest import TEST_DEVICE
 from tests.helpers.engine_run import assert_fresh_prefill, collect
 from tests.hybrid.tiny import VOCAB, make_model, save_tokenizer
 from tests.server.test_reasoning import THINKER_TEMPLATE, save_thinking_tokenizer
@@ -36,7 +37,7 @@ def model(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tiny-thinker-history"))
     make_model(folder, layers=4, seed=5, vocab=261, with_tokenizer=False)
     save_thinking_tokenizer(folder, THINKER_TEMPLATE)
-    return load_model(folder, torch.float32)
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 def history(tok: Any, reply: str, kwargs: dict[str, Any] | None) -> list[int]:
@@ -87,7 +88,7 @@ def merging(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("qwen35m"))
     make_model(folder, layers=4, seed=5, with_tokenizer=False, vocab=VOCAB + 1)
     save_tokenizer(folder, merges=("aa",))
-    return load_model(folder, torch.float32)
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 def test_a_turn_is_cached_as_its_text_encodes(merging):

@@ -9,6 +9,7 @@ import pytest
 
 from prefixserve.models.tokenizer import load_tokenizer_folder
 from prefixserve.runner.hybrid_state import GRID
+from tests.conftest import TEST_DEVICE
 from tests.helpers.server_proc import ServerProcess
 from tests.hybrid.tiny import make_model
 
@@ -38,7 +39,7 @@ def test_hybrid_over_http(tmp_path):
     make_model(folder, layers=4, seed=31)
     env = {"PREFIXSERVE_DTYPE": "fp32"}
     users = ["Alpha question here?", "Bravo, tell me more.", "Charlie wants to know.", "Delta is last."]
-    common = ["--model", folder, "--no-ledger", "--num-threads", "1", *KEYS]
+    common = ["--model", folder, "--device", TEST_DEVICE, "--no-ledger", "--num-threads", "1", *KEYS]
     with ServerProcess(common, env=env) as srv:
         health = httpx.get(srv.base_url + "/health").json()
         got = [_chat(srv, "sk-a", u) for u in users]

@@ -28,6 +28,7 @@ from prefixserve.runner.hybrid_state import HybridSnapshot, checkpoint_positions
 from prefixserve.runner.pieces import same_bits
 from prefixserve.runner.state import KVPiece, KVSnapshot
 from prefixserve.types import Delta, Namespace, Request, SamplingParams, Usage
+from tests.conftest import TEST_DEVICE
 from tests.hybrid.tiny import make_model
 
 torch.set_num_threads(1)
@@ -137,7 +138,7 @@ def test_redis_uses_a_marked_hybrid_entry_only_where_a_resume_point_serves_enoug
 def model(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("qwen35t"))
     make_model(folder, layers=4, seed=23)
-    return load_model(folder, torch.float32)
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 def make_core(model, out: dict[str, list[Delta]], **tiers) -> EngineCore:
@@ -157,12 +158,12 @@ def serve(core: EngineCore, out: dict[str, list[Delta]], ids: list[int]) -> tupl
 
 
 def disk_tier(path: Path, fp: str) -> Callable[[], dict]:
-    return lambda: {"disk": DiskTier(str(path), 1 << 30, fp, __version__, SnapshotCodec())}
+    return lambda: {"disk": DiskTier(str(path), 1 << 30, fp, __version__, SnapshotCodec(TEST_DEVICE))}
 
 
 def redis_tier(url: str, fp: str) -> Callable[[], dict]:
     cfg = SharedTierConfig(url, b"hybrid-test-secret-0123")
-    return lambda: {"shared": SharedTier(cfg, fp, __version__, SnapshotCodec())}
+    return lambda: {"shared": SharedTier(cfg, fp, __version__, SnapshotCodec(TEST_DEVICE))}
 
 
 def close(core: EngineCore) -> None:
