@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import datetime as dt
 import importlib.util
+import inspect
 import json
 import os
 import secrets
@@ -216,13 +217,26 @@ async def interleave(
     servers: dict[str, ServerProcess], models: dict[str, str], steps: list[tuple[str, Step]],
     suites: dict[str, SuiteResult], tick: Callable[[int], Any],
 ) -> None:
-    """Each step on every server in turn, the order rotating from one step to the next."""
+    """Each step on every server in turn, the order rotating from one step to the next; a per-request
+    step (an async generator, bench/workloads.py `Step`) alternates the servers request by request."""
     clients = {name: BenchClient(server.base_url, API_KEY, models[name]) for name, server in servers.items()}
     names = list(clients)
     try:
         for i, (_, step) in enumerate(steps):
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                await step(clients[name], suites[name], tick)
+            order = names[i % len(names):] + names[:i % len(names)]
+            first = step(clients[order[0]], suites[order[0]], tick)
+            if not inspect.isasyncgen(first):
+                await first
+                for name in order[1:]:
+                    await step(clients[name], suites[name], tick)  # type: ignore[misc]
+                continue
+            live = [first, *(step(clients[name], suites[name], tick) for name in order[1:])]
+            while live:
+                for run in list(live):
+                    try:
+                        await anext(run)  # type: ignore[arg-type]
+                    except StopAsyncIteration:
+                        live.remove(run)
     finally:
         for client in clients.values():
             await client.aclose()

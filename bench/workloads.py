@@ -11,7 +11,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -73,7 +73,17 @@ class SuiteResult:
         self.records.setdefault(key, []).append(result.to_json())
 
 
-Step = Callable[[BenchClient, SuiteResult, Tick], Awaitable[None]]
+# A step is a coroutine, or an async generator that yields after each measured request: serve_bench.py
+# `interleave` then alternates the servers request by request, so a slow stretch of the machine (seconds
+# long; a median of 7 warm requests read 8.9 ms in one run and 5.2 ms in an A/B minutes later) falls
+# on both servers' samples alike, not on one server's whole workload.
+Step = Callable[[BenchClient, SuiteResult, Tick], Awaitable[None] | AsyncIterator[None]]
+
+
+async def drain(run: AsyncIterator[None]) -> None:
+    """Run a per-request workload to its end on one server."""
+    async for _ in run:
+        pass
 
 
 def suite_steps(plan: BenchPlan, prompts: PromptFactory) -> list[tuple[str, Step]]:
@@ -140,8 +150,8 @@ async def contended(
         await asyncio.sleep(0.5)
         inner = SuiteResult()
         tag = replace(plan, run_tag=f"{plan.run_tag}-busy")
-        await cold_ttft(client, tag, prompts, plan.contended_prompt_len, inner, tick)
-        await warm_ttft(client, tag, prompts, plan.contended_prompt_len, inner, tick)
+        await drain(cold_ttft(client, tag, prompts, plan.contended_prompt_len, inner, tick))
+        await drain(warm_ttft(client, tag, prompts, plan.contended_prompt_len, inner, tick))
         for key, records in inner.records.items():
             suite.records[f"busy_{key}"] = records
     finally:
@@ -156,13 +166,14 @@ async def cold_ttft(
     prompt_len: int,
     suite: SuiteResult,
     tick: Tick,
-) -> None:
+) -> AsyncIterator[None]:
     """A system prompt this server has never seen: a fresh nonce at its start each run."""
     for run in range(plan.num_runs):
         system = prompts.system_prompt(prompt_len, f"{plan.run_tag}-cold{prompt_len}-{run}")
         result = await client.chat(_messages(system, user_question(0)), plan.ttft_max_tokens)
         suite.add(f"cold_ttft_{prompt_len}", result)
         tick(1)
+        yield
 
 
 async def warm_ttft(
@@ -172,7 +183,7 @@ async def warm_ttft(
     prompt_len: int,
     suite: SuiteResult,
     tick: Tick,
-) -> None:
+) -> AsyncIterator[None]:
     """The identical request repeated; the first (seeding) request is not measured."""
     messages = _messages(
         prompts.system_prompt(prompt_len, f"{plan.run_tag}-warm{prompt_len}"), user_question(0)
@@ -182,6 +193,7 @@ async def warm_ttft(
     for _ in range(plan.num_runs):
         suite.add(f"warm_ttft_{prompt_len}", await client.chat(messages, plan.ttft_max_tokens))
         tick(1)
+        yield
 
 
 async def partial_ttft(
@@ -192,7 +204,7 @@ async def partial_ttft(
     suite: SuiteResult,
     tick: Tick,
     interleaved: bool,
-) -> None:
+) -> AsyncIterator[None]:
     """A seen system prompt with a new user message, back to back or after an unrelated request."""
     variant = "interleaved" if interleaved else "b2b"
     system = prompts.system_prompt(prompt_len, f"{plan.run_tag}-part-{variant}{prompt_len}")
@@ -213,21 +225,23 @@ async def partial_ttft(
         result = await client.chat(_messages(system, question), plan.ttft_max_tokens)
         suite.add(f"partial_{variant}_ttft_{prompt_len}", result)
         tick(1)
+        yield
 
 
 async def decode(
     client: BenchClient, plan: BenchPlan, max_tokens: int, suite: SuiteResult, tick: Tick
-) -> None:
+) -> AsyncIterator[None]:
     """Single-stream decode speed on a prompt that asks for a long answer."""
     messages = [{"role": "user", "content": DECODE_PROMPT}]
     for _ in range(plan.num_runs):
         suite.add(f"decode_{max_tokens}", await client.chat(messages, max_tokens))
         tick(1)
+        yield
 
 
 async def deep_decode(
     client: BenchClient, plan: BenchPlan, prompts: PromptFactory, suite: SuiteResult, tick: Tick
-) -> None:
+) -> AsyncIterator[None]:
     """Single-stream decode with `deep_decode_prompt_len` tokens of context before the answer: every
     token attends to all of them (the request repeats, so its prompt is cached after the first)."""
     n = plan.deep_decode_prompt_len
@@ -237,6 +251,7 @@ async def deep_decode(
     for _ in range(plan.num_runs):
         suite.add(f"decode_deep_{n}", await client.chat(_messages(system, DECODE_PROMPT), plan.deep_decode_max_tokens))
         tick(1)
+        yield
 
 
 async def concurrency(
