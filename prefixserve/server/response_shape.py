@@ -7,7 +7,8 @@ Output items, in order: a thinking model's `reasoning` item (server/reasoning.py
 with `response.output_item.added` and closes with `response.output_item.done`, its text in
 `response.reasoning_text.delta` / `response.output_text.delta` events between; the last event,
 `response.completed` or `response.incomplete`, carries the whole response and its usage
-(`output_tokens_details.reasoning_tokens`: the reasoning item's tokens, server/reasoning.py).
+(`output_tokens_details.reasoning_tokens`: the reasoning item's tokens, server/reasoning.py); a stream
+that fails ends with `response.failed`, the response as far as it got (open items incomplete).
 """
 
 from __future__ import annotations
@@ -134,8 +135,15 @@ class ResponseShape(Shape):
         return response
 
     def failure(self, message: str, type: str = "server_error", code: str | None = None) -> dict[str, Any]:
-        """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream)."""
-        response = {**self._response(self._output, None, None), "status": "failed",
+        """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream).
+        Items the stream opened and never closed are in it as far as they went, status incomplete, so a
+        client that keeps the last event's response keeps the text it was shown."""
+        output = list(self._output)
+        if self._reasoning_id:
+            output.append({**_reasoning_item(self._reasoning_id, self._reasoning), "status": "incomplete"})
+        if self._message_id and all(item["id"] != self._message_id for item in output):
+            output.append(_message(self._message_id, self._text, True, self._sent))
+        response = {**self._response(output, None, None), "status": "failed",
                     "error": {"code": code or type, "message": message}}
         return self._event("response.failed", response=response)
 

@@ -90,6 +90,7 @@ class FakeEngine:
         self.events: dict[str, list[str]] = {}
         self.shutdown_calls: list[bool] = []
         self.fail_with: str | None = None  # set: every request's final delta is an ERROR with this text
+        self.fail_after = 0  # with fail_with: the tokens each choice streams before its ERROR
         self._cache: dict[Namespace, list[tuple[int, ...]]] = {}
         self._running = 0
         self._evictions = 0
@@ -128,7 +129,7 @@ class FakeEngine:
                     await asyncio.sleep(self.token_delay)
                     usage = Usage(prompt_tokens=len(ids), completion_tokens=done + n, cached_tokens=cached)
                     abandoned = usage  # closed from here on: the tokens made so far
-                    if self.fail_with is not None:
+                    if self.fail_with is not None and n > self.fail_after:
                         finished = True
                         yield Delta("", (), FinishReason.ERROR, usage, error=self.fail_with)
                         return

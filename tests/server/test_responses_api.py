@@ -158,6 +158,24 @@ def test_an_engine_failure_is_a_500_or_a_response_failed_event(client: TestClien
     assert client.post(R, json={"input": "p"}, headers=auth()).status_code == 200
 
 
+def test_response_failed_keeps_the_text_already_streamed(client: TestClient, engine: FakeEngine) -> None:
+    """A stream that fails after some text: the failed response holds that text, as an incomplete
+    message (a client keeping the last event's response loses nothing it was shown)."""
+    engine.fail_with, engine.fail_after = "boom", 3
+    try:
+        evs = events(client.post(R, json={"input": "pqrs", "stream": True}, headers=auth()).text)
+    finally:
+        engine.fail_with, engine.fail_after = None, 0
+    shown = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+    assert len(shown) > 0 and evs[-1]["type"] == "response.failed"
+    failed = evs[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == "boom"
+    [message] = failed["output"]
+    opened = next(e["item"] for e in evs if e["type"] == "response.output_item.added")
+    assert message["id"] == opened["id"] and message["status"] == "incomplete"
+    assert message["content"][0]["text"] == shown
+
+
 def test_requests_to_the_new_routes_are_counted_under_their_own_label(client: TestClient) -> None:
     client.post(R, json={"input": "p", "max_output_tokens": 1}, headers=auth())
     client.post("/tokenize", json={"prompt": "p"}, headers=auth())
