@@ -22,6 +22,7 @@ Measured, and the design's trade-offs: docs/architecture.md, "Stored responses".
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -80,9 +81,17 @@ def open_disk(path: str | Path, flag: str = "--responses-path") -> ResponseDisk:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
         return ResponseDisk(str(path))
+    except InUse:
+        raise ValueError(f"{where}: in use by another prefixserve process; one server per stored-responses "
+                         "file (each reads it once, at start): give each its own --responses-path or "
+                         "--data-dir, or pass --no-responses-persist") from None
     except (OSError, sqlite3.Error, RuntimeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise ValueError(f"{where}: cannot open the stored responses: {reason}") from None
+
+
+class InUse(Exception):
+    """Another ResponseDisk (this process or another) holds the file."""
 
 
 class ResponseDisk:
@@ -92,13 +101,24 @@ class ResponseDisk:
 
     def __init__(self, path: str) -> None:
         """Open and check the file, creating its schema; raises sqlite3.Error / RuntimeError for a file
-        that is not SQLite, not WAL-capable, or not a prefixserve stored-responses file of this version."""
+        that is not SQLite, not WAL-capable, or not a prefixserve stored-responses file of this version,
+        InUse when another one holds it (an exclusive flock on the file, held until `close`: two servers
+        on one file would each serve only what it loaded, and overwrite each other's rows)."""
         self.path = path
-        conn = _connect(path)
+        self._lock = os.open(path, os.O_RDONLY)
         try:
-            _init_schema(conn, path)
-        finally:
-            conn.close()
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InUse(path) from None
+            conn = _connect(path)
+            try:
+                _init_schema(conn, path)
+            finally:
+                conn.close()
+        except BaseException:
+            os.close(self._lock)
+            raise
         self.num_write_errors = 0  # failed commit attempts (each retried)
         self._writer: BackgroundWriter[tuple[str, tuple[Any, ...]]] = BackgroundWriter(
             label="stored responses",
@@ -141,8 +161,12 @@ class ResponseDisk:
             raise TimeoutError(f"stored responses not durable in {self.path} after {timeout} s")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Commit what is queued and stop the writer. Idempotent; later writes are dropped (and logged)."""
+        """Commit what is queued, stop the writer and let the file go. Idempotent; later writes are dropped
+        (and logged)."""
         self._writer.close(timeout)
+        if self._lock >= 0:
+            os.close(self._lock)  # releases the flock
+            self._lock = -1
 
     def _send(self, op: tuple[str, tuple[Any, ...]]) -> None:
         if not self._writer.put(op):

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -230,13 +233,24 @@ def test_a_file_that_cannot_be_opened_is_one_line_naming_the_flag(
     assert garbage.read_bytes() == b"not a database at all, " * 100  # refused, not overwritten
 
 
+def test_one_server_per_file(tmp_path: Path) -> None:
+    """A second store on a file another one holds is refused, naming the flag, until the first closes
+    (each server reads the file once, at start: two would each serve only what they loaded)."""
+    path = tmp_path / "responses.sqlite3"
+    first = open_disk(path)
+    with pytest.raises(ValueError, match=f"--data-dir {path}: in use by another prefixserve process"):
+        open_disk(path, "--data-dir")
+    first.close()
+    open_disk(path).close()
+
+
 @pytest.mark.slow
 def test_a_real_server_restarted_on_its_data_dir_serves_its_stored_responses(tmp_path: Path) -> None:
     """The wiring end to end: `serve`'s default file under --data-dir, written by the app and committed by
     its shutdown on SIGTERM, read back by the next process (the same chained prompt, token for token)."""
     import httpx
 
-    from tests.helpers.server_proc import ServerProcess
+    from tests.helpers.server_proc import REPO_ROOT, ServerProcess
 
     def chained(base: str, rid: str) -> dict[str, Any]:
         body = {"input": "And then?", "previous_response_id": rid, "max_output_tokens": 1, "store": False,
@@ -250,6 +264,14 @@ def test_a_real_server_restarted_on_its_data_dir_serves_its_stored_responses(tmp
         made = httpx.post(f"{srv.openai_url}/responses", json={"input": "Hi!", "max_output_tokens": 2},
                           headers=auth(), timeout=120).json()
         before = chained(srv.base_url, made["id"])
+        # a second server on the same data directory stops at start, before its model loads
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        second = subprocess.run([sys.executable, "-m", "prefixserve.cli", "serve", *args, "--port", port,
+                                 "--data-dir", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert second.returncode == 2 and "in use by another prefixserve process" in second.stderr, second.stderr
     assert srv.returncode == 0 and (tmp_path / "responses.sqlite3").is_file()
     with ServerProcess(args, data_dir=tmp_path) as srv:
         assert httpx.get(f"{srv.openai_url}/responses/{made['id']}", headers=auth(), timeout=30).json() == made
