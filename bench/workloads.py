@@ -187,7 +187,8 @@ async def warm_ttft(
     """The identical request repeated; the first (seeding) request is not measured. Each measured
     request follows an unmeasured repeat on the same server, so it meets a process as hot as in a run
     of repeats even though the servers alternate request by request: right after the other server's
-    request (its caches and pages cold) ours read 5.5 ms, after its own repeat 4.1 ms, on the AMX Xeon."""
+    request (its caches and pages cold) ours read 5.5 ms, after its own repeat 4.1 ms, on the AMX Xeon
+    (bench/warm_gap.py)."""
     messages = _messages(
         prompts.system_prompt(prompt_len, f"{plan.run_tag}-warm{prompt_len}"), user_question(0)
     )
