@@ -17,7 +17,7 @@ from prefixserve.cache.shared import SharedTier
 from prefixserve.config import CacheConfig, EngineConfig, SharedTierConfig
 from prefixserve.engine import EngineCore
 from prefixserve.runner.codec import SnapshotCodec
-from prefixserve.types import Delta, Namespace, Request, SamplingParams, Usage
+from prefixserve.types import Delta, Namespace, Request, SamplingParams, Usage, lcp
 from tests.conftest import load_embedded
 from tests.helpers.redis_proc import RedisServer
 
@@ -50,10 +50,6 @@ def result(out: dict[str, list[Delta]], rid: str) -> tuple[list[int], Usage]:
     deltas = out[rid]
     assert deltas[-1].finish_reason is not None and deltas[-1].usage is not None
     return [t for d in deltas for t in d.token_ids], deltas[-1].usage
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def run(core: EngineCore) -> None:
