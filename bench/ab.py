@@ -55,8 +55,9 @@ def main() -> int:
         servers, suites = {}, {"old": SuiteResult(), "new": SuiteResult()}
         for name, path in (("old", tree), ("new", ROOT)):
             port = free_port()
+            # a data directory each: two servers may not share one (its stored-responses file)
             cmd = [sys.executable, "-m", "prefixserve.server", "--no-ledger", "--host", "127.0.0.1",
-                   "--port", str(port), "--api-key", API_KEY]
+                   "--port", str(port), "--api-key", API_KEY, "--data-dir", str(tmp / f"{name}-data")]
             # run in the tree itself: `python -m` puts its working directory first on sys.path, so from
             # the repository root both servers were the working tree's (every A/B before 2026-12-04)
             env = {"PYTHONPATH": str(path)}
