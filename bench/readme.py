@@ -31,9 +31,10 @@ def render_readme(rows: list[Row], ours: Raw, peer: Raw, plan: dict[str, Any]) -
             f"{_cpu_name()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}. "
             "Same GGUF (SmolLM2-135M-Instruct Q4_1), same client code and prompts, greedy streaming "
             "chat completions on 127.0.0.1; both servers run, and each workload is measured on one and then "
-            "the other (the order alternating), the other idle meanwhile; start-up is timed alone. Lower is better for TTFT and "
-            "RSS, higher for tok/s. Ratios are ours/peer of the medians (of the p90s where the row "
-            "says so); targets are reported, not asserted."
+            "the other (the order alternating; cold, warm and partial TTFT and decode request by request, "
+            "each measured warm request after an unmeasured repeat), the other idle meanwhile; start-up is "
+            "timed alone. Lower is better for TTFT and RSS, higher for tok/s. Ratios are ours/peer of the "
+            "medians (of the p90s where the row says so); targets are reported, not asserted."
         ),
         "",
         (

@@ -4,9 +4,9 @@
         --peer-bin .peer/bin/llama-server --out bench/results [--quick]
 
 Each server's start-up is timed alone; then both run, and each workload is measured on one and then
-the other (the order alternating), the other idle meanwhile: a pair of numbers is never minutes of
-a VM's drift apart. Both are driven by the same client code and prompts (client.py, workloads.py,
-prompts.py), only on 127.0.0.1.
+the other (the order alternating; a workload of single requests, request by request), the other idle
+meanwhile: a pair of numbers is never minutes, nor a slow stretch, of a VM's drift apart. Both are
+driven by the same client code and prompts (client.py, workloads.py, prompts.py), only on 127.0.0.1.
 Raw records and server logs go to OUT/raw/ (ignored by git); OUT/README.md and OUT/bench.png
 are the results. `--only ours|peer` re-measures one server and reuses the other's raw record;
 `--report-only` rebuilds README.md and the PNG from OUT/raw/.
@@ -103,8 +103,8 @@ def measure(
     servers: list[tuple[str, Callable[[int], list[str]]]], plan: BenchPlan, prompts: PromptFactory, raw_dir: Path
 ) -> dict[str, dict[str, Any]]:
     """Time each server's start-up (alone), then start them all and run the suite interleaved:
-    each workload on one server, then on the other (which goes first alternates), the other idle
-    meanwhile. Returns each server's raw record.
+    each workload on one server, then on the other (which goes first alternates; request by request
+    for a per-request workload, `interleave`), the other idle meanwhile. Returns each server's raw record.
 
     A VM's speed drifts by tens of percent within minutes; measured one server after the other,
     13 minutes apart, a ratio mixed the servers with the drift (single-stream decode read 0.90x in
@@ -224,19 +224,17 @@ async def interleave(
     try:
         for i, (_, step) in enumerate(steps):
             order = names[i % len(names):] + names[:i % len(names)]
-            first = step(clients[order[0]], suites[order[0]], tick)
-            if not inspect.isasyncgen(first):
-                await first
-                for name in order[1:]:
-                    await step(clients[name], suites[name], tick)  # type: ignore[misc]
+            runs = [step(clients[name], suites[name], tick) for name in order]
+            if not inspect.isasyncgen(runs[0]):
+                for run in runs:
+                    await run  # type: ignore[misc]
                 continue
-            live = [first, *(step(clients[name], suites[name], tick) for name in order[1:])]
-            while live:
-                for run in list(live):
+            while runs:
+                for run in list(runs):
                     try:
                         await anext(run)  # type: ignore[arg-type]
                     except StopAsyncIteration:
-                        live.remove(run)
+                        runs.remove(run)
     finally:
         for client in clients.values():
             await client.aclose()

@@ -88,8 +88,8 @@ async def drain(run: AsyncIterator[None]) -> None:
 
 def suite_steps(plan: BenchPlan, prompts: PromptFactory) -> list[tuple[str, Step]]:
     """Every workload, in a fixed order, as (name, step): a step runs one workload against one server.
-    serve_bench.py runs each step on one server and then the other before the next step, so a pair of
-    numbers is never minutes of machine drift apart."""
+    serve_bench.py runs each step on one server and then the other before the next step (a per-request
+    step request by request, `Step`), so a pair of numbers is never minutes of machine drift apart."""
     steps: list[tuple[str, Step]] = []
     for n in plan.prompt_lens:
         steps += [
