@@ -90,9 +90,10 @@ def store_steps(core: EngineCore, ns: Namespace, key: tuple[int, ...], state: Se
 def offer_turn(core: EngineCore, s: Session) -> None:
     """Cache prompt + reply so the next turn of the conversation hits its own history.
 
-    Dense decode runs the prefill calls, so the session's state is exact as it is (the reply's
-    last token was never fed). With 4-bit decode rows the reply's KV has other bits than a
-    recomputation's: the state goes to `core.refills` (engine/refill.py) to be re-fed by prefill.
+    Dense decode runs the prefill calls, so the session's state is exact as it is and is cached at
+    once, but decode never fed the reply's last sampled token: a refill (engine/refill.py) feeds that
+    one by prefill and caches the whole turn. With 4-bit decode rows the reply's KV has other bits
+    than a recomputation's: the whole reply is re-fed.
     A reply a client sends back as text is keyed as its next request will hold it (`next_turn_key`):
     from where that differs from what the state holds, it is a refill in either mode (a hybrid's from
     a cached state: its recurrent state cannot go back)."""
@@ -117,17 +118,14 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         elif (start := resume_state(core, ns, key, same)) is not None and start.num_tokens < len(key):
             core.refills.offer(ns, key, start, start.num_tokens)
         return
-    if dense and st.num_tokens <= s.prompt_len:
-        return
-    # dense: the state as it is (the reply's last token was never fed); 4-bit: the whole turn, re-fed
-    reply = s.output_ids[: st.num_tokens - s.prompt_len] if dense else s.output_ids
-    turn = prompt + tuple(reply)
+    turn = prompt + tuple(s.output_ids)
     if core.cache.get(ns, turn) is not None or core.refills.holds(ns, turn):
         return  # this very turn is cached or on its way (a repeated request): a copy or a re-feed would only find it there
-    if dense:
-        store(core, ns, turn, st)
-    else:
-        core.refills.offer(ns, turn, st, s.prompt_len)
+    if dense and st.num_tokens > s.prompt_len and core.cache.get(ns, turn[: st.num_tokens]) is None:
+        store(core, ns, turn[: st.num_tokens], st)  # exact as it is: cached now, however busy the engine
+    # decode never fed the reply's last token (<|im_end|>): a refill feeds it, in the background (dense),
+    # or the whole reply (4-bit); under load the oldest pending refill is dropped (engine/refill.py)
+    core.refills.offer(ns, turn, st, st.num_tokens if dense else s.prompt_len)
 
 
 def next_turn_key(core: EngineCore, s: Session) -> tuple[int, ...] | None:

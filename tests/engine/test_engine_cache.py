@@ -80,8 +80,9 @@ def test_learning_sequence_and_exact_outputs():
 @pytest.mark.parametrize("mode", ["bf16", "int4"])
 @pytest.mark.parametrize("think", [True, False])
 def test_next_chat_turn_hits_its_own_history(mode, think):
-    """Turn 2 hits turn 1's prompt AND reply in every mode: dense decode states are exact as they
-    are; 4-bit decoded replies are re-fed by prefill (in the background while the engine idles,
+    """Turn 2 hits turn 1's prompt AND whole reply in every mode: dense decode states are exact as
+    they are but for the reply's last token (never fed: a one-token refill feeds it); 4-bit decoded
+    replies are re-fed by prefill (in the background while the engine idles,
     `think`; or when turn 2 arrives first, at its admission, and then billed to turn 2 as computed)
     and the entry is bitwise a fresh prefill."""
     engine = make_engine(1 << 30, mode)
@@ -110,16 +111,12 @@ def test_next_chat_turn_hits_its_own_history(mode, think):
 
     u1, u2, ids1, out, same, pending = asyncio.run(go())
     assert u1.cached_tokens == 0
-    # the turn's key: the reply as its text encodes where the model split it otherwise (re-fed by a
-    # refill in either mode), else as sampled (dense decode never fed its last token: stored as it is)
+    # the turn's key: the reply as its text encodes where the model split it otherwise, else as
+    # sampled; a refill feeds it in every mode (dense decode never fed the last sampled token)
     back = echoed(engine.tokenizer, ids1, out)
-    refilled = refeeds(mode) or (back is not None and list(back) != out)
-    if back is not None and list(back) != out:
-        turn = tuple(ids1) + back
-    else:
-        turn = tuple(ids1) + tuple(out if refeeds(mode) else out[:-1])
+    turn = tuple(ids1) + (back if back is not None and list(back) != out else tuple(out))
     if pending:  # the refill ran at turn 2's admission: cached in the end, but computed for turn 2
-        assert refilled and not think
+        assert not think
         assert len(ids1) <= u2.cached_tokens < len(turn)  # its exact part only: the prompt (4-bit), more (dense)
         assert not refeeds(mode) or u2.cached_tokens == len(ids1)
     else:
@@ -136,7 +133,7 @@ def test_next_chat_turn_hits_its_own_history(mode, think):
 @pytest.mark.parametrize("mode", ["bf16", "int4"])
 def test_a_repeated_turn_is_not_cached_again(mode, monkeypatch):
     """The same request again (greedy: the same reply) finds its turn cached: no refill is queued
-    (4-bit decode) and no second snapshot is taken (dense), so the engine is free for the next request
+    and no second snapshot is taken, so the engine is free for the next request
     at once; another turn still is."""
     from prefixserve.engine import inserts
     engine = make_engine(1 << 30, mode)
@@ -168,7 +165,7 @@ def test_a_repeated_turn_is_not_cached_again(mode, monkeypatch):
 
     out1, out2, u2, after_first, after_repeat, after_other = asyncio.run(go())
     assert out1 == out2 and u2.cached_tokens == len(ids)
-    turn_len = len(ids) + len(out1) - (0 if refeeds(mode) else 1)
+    turn_len = len(ids) + len(out1)  # the whole reply in every mode
     assert turn_len in after_first  # the first turn was offered (prompt + reply)
     assert after_repeat == after_first  # the repeat offered nothing
     assert len(after_other) > len(after_repeat)
@@ -232,12 +229,10 @@ def test_a_turn_refill_stores_its_turn_a_piece_at_a_time():
 
 
 def test_a_repeated_turn_pending_its_refill_is_not_queued_again(monkeypatch):
-    """The same request again before the first one's refill ran (back to back, 4-bit decode): its
-    turn is on its way to the cache, so it is not queued a second time (each copy re-feeds the reply
-    over the whole prompt and compares every piece, background work that a request arriving
-    meanwhile waits behind); the turn is cached once the one refill has run."""
-    if not refeeds("int4"):
-        pytest.skip("decode states equal prefill ones here (dense decode): no turn is re-fed")
+    """The same request again before the first one's refill ran (back to back): its turn is on its
+    way to the cache, so it is not queued a second time (each copy re-feeds the reply, or with dense
+    decode its last token, and compares every piece with the cache's, background work that a request
+    arriving meanwhile waits behind); the turn is cached once the one refill has run."""
     engine = make_engine(1 << 30, "int4")
     tok = engine.tokenizer
     ns = Namespace("smol", "t")

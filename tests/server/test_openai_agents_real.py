@@ -168,7 +168,7 @@ def test_a_forced_call_echoed_back_renders_as_the_reply_and_hits_the_cache(dense
     history = [*echoed, {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18, "sky": "clear"}'}]
     second = c.chat.completions.create(model=m, messages=history, tools=[WEATHER], max_tokens=2, temperature=0)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
-    covered = second.usage.prompt_tokens_details.cached_tokens  # the finished turn but its last token
+    covered = second.usage.prompt_tokens_details.cached_tokens  # the turn (its last token computed if its refill had not run)
     assert covered >= r.usage.prompt_tokens + min(same, len(generated) - 1), (covered, generated, rendered)
 
 
