@@ -141,6 +141,9 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # empty = open server with one tenant
     admin_key: str | None = None
+    # /metrics readable without a key where tenant keys are configured (a scraper on a private network);
+    # else it needs the admin key there (its figures are every tenant's traffic together)
+    metrics_open: bool = False
     data_dir: str = ""  # "" = default_data_dir(os.environ), resolved by the caller that reads the environment
     ledger_path: str | None = None  # None = <data_dir>/usage.sqlite3
     pricing_path: str | None = None

@@ -79,6 +79,9 @@ def create_app(
             logger.warning("no API keys configured: the server is OPEN, every caller is one tenant")
         else:
             logger.info("serving %d tenant(s)", keys.num_tenants)
+            if not keys.has_admin and not server_config.metrics_open:
+                logger.warning("/metrics answers no one: with API keys it takes the admin key (--admin-key), "
+                               "or serve with --metrics-open")
         try:
             yield
         finally:
@@ -120,7 +123,12 @@ def create_app(
         return JSONResponse(body, status_code=200 if h.ok else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        # every tenant's traffic together: where keys are configured, only the admin key reads it
+        # (a tenant key is a 403), unless the operator opened it (--metrics-open)
+        if not keys.is_open and not server_config.metrics_open and not keys.identify(authorization(request)).is_admin:
+            raise APIError(403, "/metrics takes the admin key on a server with API keys (or serve with --metrics-open)",
+                           code="admin_key_required")
         # off the event loop: the collectors read the engine and its tiers, and an engine that waited
         # there (a lock held through a prefill step) stalled every request and stream on the server
         return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)

@@ -5,8 +5,9 @@ Every configured key is its own tenant. A key spec is either ``KEY`` (tenant id 
 keys may share a name, e.g. during rotation). Keys are held only as sha256 digests and every presented
 key is compared against all of them with `hmac.compare_digest`, without an early exit.
 
-With no keys the server is open: every caller is the tenant ``OPEN_TENANT_ID``. The admin key (for
-the usage API) is recognised separately; it is a tenant for generation only if it is also listed.
+With no keys the server is open: every caller is the tenant ``OPEN_TENANT_ID``. The admin key (the
+usage API across tenants, flushing any tenant's cache, /metrics on a server with keys) is recognised
+separately; it is a tenant for generation only if it is also listed.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class KeyStore:
         principal = self.identify(authorization)
         if principal.tenant_id is None:
             raise APIError(
-                403, "the admin key may only be used for the usage API", code="admin_key_not_a_tenant"
+                403, "the admin key is not a tenant: it reads the usage API and /metrics and flushes caches; generate with a tenant key", code="admin_key_not_a_tenant"
             )
         return principal.tenant_id
 

@@ -61,6 +61,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "served_model_name": ("PREFIXSERVE_SERVED_MODEL_NAME", str, None),
     "api_keys_file": ("PREFIXSERVE_API_KEYS_FILE", str, None),
     "admin_key": ("PREFIXSERVE_ADMIN_KEY", str, None),
+    "metrics_open": ("PREFIXSERVE_METRICS_OPEN", _flag, False),
     "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
     "cache_dir": ("PREFIXSERVE_CACHE_DIR", str, None),  # None = <data dir>/cache
     "cache_disk_bytes": ("PREFIXSERVE_CACHE_DISK_BYTES", parse_bytes, 0),
@@ -107,7 +108,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="an API key, or 'TENANT KEY'; repeat for more tenants (PREFIXSERVE_API_KEYS, comma-separated)")
     a("--api-keys-file", metavar="FILE",
       help="one 'KEY' or 'TENANT KEY' per line, '#' starts a comment at a line's start or after a space; no key is an error (PREFIXSERVE_API_KEYS_FILE)")
-    a("--admin-key", metavar="KEY", help="key for the usage API across tenants (PREFIXSERVE_ADMIN_KEY)")
+    a("--admin-key", metavar="KEY",
+      help="key for the usage API across tenants, flushing any tenant's cache and /metrics "
+           "(PREFIXSERVE_ADMIN_KEY)")
+    a("--metrics-open", action="store_true", default=None,
+      help="/metrics without a key where API keys are configured (else it takes the admin key there: its "
+           "figures are all tenants' traffic; PREFIXSERVE_METRICS_OPEN=1)")
     a("--cache-max-bytes", type=parse_bytes, metavar="N",
       help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)")
     a("--cache-dir", metavar="PATH",

@@ -98,6 +98,19 @@ class ServerProcess:
         self.start()
         return self
 
+    @property
+    def admin_key(self) -> str | None:
+        """The `--admin-key` it was started with, if any."""
+        return self.args[self.args.index("--admin-key") + 1] if "--admin-key" in self.args else None
+
+    def metrics(self) -> str:
+        """/metrics as text, read with the admin key where the server has one (with API keys, only that
+        key reads /metrics)."""
+        key = self.admin_key
+        r = httpx.get(self.base_url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.text
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:

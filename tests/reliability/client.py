@@ -31,6 +31,7 @@ class Target:
     base_url: str
     pid: int
     keys: dict[str, str] = field(default_factory=dict)  # tenant name -> API key
+    admin_key: str | None = None  # reads /metrics (with API keys, no other key does)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -40,6 +41,10 @@ class Target:
 
     def auth(self, tenant: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -206,7 +211,9 @@ def read_until_events(s: socket.socket, num_events: int, timeout: float = 120.0)
 
 def scrape(target: Target) -> dict[str, float]:
     """/metrics as {name or name{label=value,...}: value} (counters under their `_total` name)."""
-    text = httpx.get(target.base_url + "/metrics", timeout=30).text
+    r = httpx.get(target.base_url + "/metrics", headers=target.admin, timeout=30)
+    assert r.status_code == 200, r.text
+    text = r.text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -263,7 +270,7 @@ async def sample_metrics(
 ) -> list[dict[str, float]]:
     """Scrape /metrics every `interval_s` until `stop` is set (for bounds that must hold throughout)."""
     samples: list[dict[str, float]] = []
-    async with httpx.AsyncClient(base_url=target.base_url, timeout=30) as c:
+    async with httpx.AsyncClient(base_url=target.base_url, headers=target.admin, timeout=30) as c:
         while not stop.is_set():
             text = (await c.get("/metrics")).text
             flat: dict[str, float] = {}

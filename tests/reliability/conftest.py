@@ -30,6 +30,7 @@ SOAK = os.environ.get("SOAK", "") not in ("", "0")
 MAIN_CACHE_BYTES = 64 << 20
 NUM_PROBES = 500 if SOAK else 200
 MAIN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+ADMIN = ["--admin-key", "sk-rel-admin-0123456789"]  # reads /metrics
 
 
 def scaled(test_count: int, soak_count: int) -> int:
@@ -78,14 +79,14 @@ class ServerSlot:
 
 def as_target(srv: ServerProcess, keys: dict[str, str]) -> Target:
     assert srv.proc is not None
-    return Target(srv.base_url, srv.proc.pid, keys)
+    return Target(srv.base_url, srv.proc.pid, keys, srv.admin_key)
 
 
 @pytest.fixture(scope="session")
 def main_slot(keys_file: tuple[Path, dict[str, str]]) -> Iterator[ServerSlot]:
     path, keys = keys_file
     slot = ServerSlot(
-        ["--api-keys-file", str(path), "--cache-max-bytes", str(MAIN_CACHE_BYTES)], keys, MAIN_ENV
+        ["--api-keys-file", str(path), *ADMIN, "--cache-max-bytes", str(MAIN_CACHE_BYTES)], keys, MAIN_ENV
     )
     yield slot
     slot.close()
@@ -95,7 +96,7 @@ def main_slot(keys_file: tuple[Path, dict[str, str]]) -> Iterator[ServerSlot]:
 def tiny_slot(keys_file: tuple[Path, dict[str, str]]) -> Iterator[ServerSlot]:
     path, keys = keys_file
     slot = ServerSlot(
-        ["--api-keys-file", str(path), "--cache-max-bytes", "1000", "--max-model-len", "64"], keys
+        ["--api-keys-file", str(path), *ADMIN, "--cache-max-bytes", "1000", "--max-model-len", "64"], keys
     )
     yield slot
     slot.close()

@@ -35,7 +35,7 @@ from tests.reliability.client import (
     settled_rss,
     wait_idle,
 )
-from tests.reliability.conftest import MAIN_ENV, ServerSlot, as_target
+from tests.reliability.conftest import ADMIN, MAIN_ENV, ServerSlot, as_target
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ SLACK_BYTES = 256 << 20  # connections, request objects, asyncio buffers, alloca
 
 @pytest.fixture(scope="module")
 def pressure() -> Iterator[Target]:
-    slot = ServerSlot(["--api-key", "sk-pressure-0123456789", "--no-ledger", "--max-queued-requests", str(QUEUE),
+    slot = ServerSlot(["--api-key", "sk-pressure-0123456789", *ADMIN, "--no-ledger", "--max-queued-requests", str(QUEUE),
                        "--max-session-bytes", str(SESSION_BYTES), "--cache-max-bytes", str(CACHE_BYTES)],
                       {"p": "sk-pressure-0123456789"}, MAIN_ENV)  # fmt: skip
     srv = slot.get()

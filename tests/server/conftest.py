@@ -41,8 +41,10 @@ def make_client(engine: FakeEngine) -> Iterator[Callable[..., TestClient]]:
         admin_key: str | None = ADMIN,
         ledger: Any = None,
         eng: FakeEngine | None = None,
+        metrics_open: bool = False,
     ) -> TestClient:
-        app = create_app(eng or engine, ServerConfig(api_keys=api_keys, admin_key=admin_key), ledger)
+        config = ServerConfig(api_keys=api_keys, admin_key=admin_key, metrics_open=metrics_open)
+        app = create_app(eng or engine, config, ledger)
         client = TestClient(app)
         client.__enter__()
         clients.append(client)

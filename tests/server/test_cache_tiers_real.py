@@ -19,7 +19,7 @@ from tests.helpers.server_proc import ServerProcess
 
 pytestmark = pytest.mark.slow
 KEY_A, KEY_B = "sk-a-0123456789", "sk-b-9876543210"
-ARGS = ["--api-key", f"alice {KEY_A}", "--api-key", f"bob {KEY_B}", "--no-ledger", "--cache-disk-bytes", "1G",
+ARGS = ["--api-key", f"alice {KEY_A}", "--api-key", f"bob {KEY_B}", "--admin-key", "sk-admin-555555", "--no-ledger", "--cache-disk-bytes", "1G",
         "--num-threads", "1"]
 P1 = "Northwind Outfitters return policy. " + " ".join(f"Rule {i}: department {i} allows returns in {i + 20} days."
                                                        for i in range(1, 16)) + " Summarise rule 3."
@@ -39,7 +39,7 @@ def complete(srv: ServerProcess, key: str, prompt: str, salt: str | None = None)
 
 
 def metric(srv: ServerProcess, name: str) -> float:
-    text = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    text = srv.metrics()
     assert "alice" not in text and "bob" not in text  # no tenant labels (docs/cache.md, "Metrics")
     for line in text.splitlines():
         if line.startswith(name + " "):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from fastapi.testclient import TestClient
 
 from tests.helpers.fake_engine import FakeEngine
-from tests.server.conftest import auth
+from tests.server.conftest import ADMIN, auth
 
 BUSY_S = 1.0
 
@@ -33,7 +33,7 @@ def test_requests_during_a_slow_scrape_do_not_wait_for_it(make_client: Callable[
     engine = BusyEngine()
     client = make_client(eng=engine)
     scrape: list[str] = []
-    scraper = threading.Thread(target=lambda: scrape.append(client.get("/metrics").text))
+    scraper = threading.Thread(target=lambda: scrape.append(client.get("/metrics", headers=auth(ADMIN)).text))
     scraper.start()
     assert engine.reading.wait(5.0)
     times = {}

@@ -246,7 +246,7 @@ def test_sixteen_concurrent_streams_share_the_system_prompt(server: ServerProces
 
 
 def _abort_count(srv: ServerProcess) -> float:
-    for line in httpx.get(srv.base_url + "/metrics").text.splitlines():
+    for line in srv.metrics().splitlines():
         if line.startswith('prefixserve_requests_finished_total{finish_reason="abort"}'):
             return float(line.split()[-1])
     return 0.0
@@ -440,7 +440,11 @@ def test_raw_http_errors(server: ServerProcess) -> None:
     assert httpx.get(client_srv.base_url + "/nowhere").json()["error"]["type"] == "invalid_request_error"
     health = httpx.get(server.base_url + "/health").json()
     assert health["ok"] is True and {"exact_reuse", "detail", "running", "waiting"} <= set(health)
-    metrics = httpx.get(server.base_url + "/metrics").text
+    # /metrics is every tenant's traffic together: with API keys, only the admin key reads it
+    assert httpx.get(server.base_url + "/metrics").status_code == 401
+    denied = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "admin_key_required"
+    metrics = server.metrics()
     for name in (
         "prefixserve_cache_bytes",
         "prefixserve_cache_entries",

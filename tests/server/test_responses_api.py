@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.helpers.fake_engine import FakeEngine
-from tests.server.conftest import KEY_A, KEY_B, auth
+from tests.server.conftest import ADMIN, KEY_A, KEY_B, auth
 
 R, CH = "/v1/responses", "/v1/chat/completions"
 TOOLS_R = [{"type": "function", "name": "add", "description": "Add.", "parameters": {"type": "object"}}]
@@ -179,7 +179,7 @@ def test_response_failed_keeps_the_text_already_streamed(client: TestClient, eng
 def test_requests_to_the_new_routes_are_counted_under_their_own_label(client: TestClient) -> None:
     client.post(R, json={"input": "p", "max_output_tokens": 1}, headers=auth())
     client.post("/tokenize", json={"prompt": "p"}, headers=auth())
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=auth(ADMIN)).text
     for route in ("/v1/responses", "/tokenize"):
         assert f'prefixserve_http_requests_total{{endpoint="{route}",status_class="2xx"}}' in text, route
 

@@ -111,6 +111,9 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert settings.resolve(_args(), "no_model_cache", {"PREFIXSERVE_NO_MODEL_CACHE": "1"}) is True
     assert settings.resolve(_args("--model-cache-dir", "/m"), "model_cache_dir", {"PREFIXSERVE_MODEL_CACHE_DIR": "/e"}) == "/m"
     assert settings.resolve(_args(), "model_cache_dir", {}) is None  # resolved by config.default_model_cache_dir
+    assert settings.resolve(_args("--metrics-open"), "metrics_open", {}) is True
+    assert settings.resolve(_args(), "metrics_open", {"PREFIXSERVE_METRICS_OPEN": "1"}) is True
+    assert settings.resolve(_args(), "metrics_open", {}) is False
     assert settings.split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
     with pytest.raises(ValueError, match="PREFIXSERVE_PORT='eighty'"):
         settings.resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})

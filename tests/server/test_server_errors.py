@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from prefixserve.engine.protocol import Overloaded, PromptTooLong, Unavailable
 from prefixserve.types import Request
 from tests.helpers.fake_engine import FakeEngine
-from tests.server.conftest import auth
+from tests.server.conftest import ADMIN, auth
 
 MSGS = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -221,7 +221,7 @@ def test_prompt_too_long_from_the_engine_is_400(make_client: Any, stream: bool) 
     r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
     check_error(r, 400, "prompt")
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics").text
+    assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics", headers=auth(ADMIN)).text
 
 
 class BusyEngine(FakeEngine):
@@ -244,7 +244,7 @@ def test_a_full_queue_is_429_with_retry_after_and_a_stopped_engine_503(make_clie
     client = make_client(eng=BusyEngine(Unavailable("the server is shutting down")))
     r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics").text
+    assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics", headers=auth(ADMIN)).text
 
 
 def test_engine_failure_is_a_shaped_500_non_streaming_and_an_error_event_streaming(

@@ -375,12 +375,29 @@ def test_models_health_and_unknown_routes(client: TestClient) -> None:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_metrics_take_the_admin_key_where_keys_are_configured(make_client: Any, caplog: Any) -> None:
+    """/metrics is every tenant's traffic together: on a server with API keys only the admin key reads
+    it (none: 401, a tenant key: 403, OpenAI-shaped), unless the operator opened it; an open server
+    (no keys) serves it to anyone, like everything else."""
+    keyed = make_client()
+    assert keyed.get("/metrics").status_code == 401
+    r = keyed.get("/metrics", headers=auth(KEY_A))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    assert keyed.get("/metrics", headers=auth(ADMIN)).status_code == 200
+    with caplog.at_level(logging.WARNING, logger="prefixserve.server"):
+        no_admin = make_client(admin_key=None)
+    assert any("/metrics answers no one" in rec.getMessage() for rec in caplog.records)  # said at start
+    assert no_admin.get("/metrics", headers=auth(KEY_A)).status_code == 403
+    assert make_client(metrics_open=True).get("/metrics").status_code == 200
+    assert make_client(api_keys=(), admin_key=None).get("/metrics").status_code == 200
+
+
 def test_metrics_text(client: TestClient) -> None:
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}, headers=auth())
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}, headers=auth())
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0}, headers=auth())
     client.post("/v1/completions", json={}, headers=auth("nope"))
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=auth(ADMIN)).text
     assert 'prefixserve_http_requests_total{endpoint="/v1/completions",status_class="2xx"} 2.0' in text
     assert 'prefixserve_http_requests_total{endpoint="/v1/completions",status_class="4xx"} 2.0' in text
     assert "prefixserve_prompt_tokens_total 6.0" in text

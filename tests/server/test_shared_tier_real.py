@@ -63,7 +63,7 @@ def stream(srv: ServerProcess, prompt: str, first: threading.Event | None = None
 
 
 def metric(srv: ServerProcess, name: str) -> float:
-    for line in httpx.get(srv.base_url + "/metrics", timeout=30).text.splitlines():
+    for line in srv.metrics().splitlines():
         if line.startswith(f"prefixserve_engine_cache_redis_{name} "):
             return float(line.split()[1])
     raise AssertionError(f"redis_{name} not in /metrics")
@@ -94,7 +94,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisSer
     key_file = Path(tmp_path_factory.mktemp("secret")) / "redis.key"
     key_file.write_text("a-deployment-secret-of-32-bytes!\n")
     with RedisServer() as rs:
-        args = ["--api-key", f"alice {KEY_A}", "--api-key", f"bob {KEY_B}", "--no-ledger", "--num-threads", "1"]
+        args = ["--api-key", f"alice {KEY_A}", "--api-key", f"bob {KEY_B}", "--admin-key", "sk-admin-555555", "--no-ledger", "--num-threads", "1"]
         shared = ["--cache-redis-url", rs.url, "--cache-redis-key-file", str(key_file)]
         servers = [ServerProcess(args + shared), ServerProcess(args + shared),
                    ServerProcess(args + ["--cache-max-bytes", "0"])]
