@@ -92,7 +92,7 @@ class EngineCore:
         self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
         self._last_step: list[tuple[Session, int | None]] = []  # (session, its fed decode token) of the last step
         self._reserved_bytes = 0  # KV bytes admitted sessions may grow to (max_session_bytes bounds it)
-        self.refills = TurnRefills(runner, config.prefill_chunk_tokens, lambda ns, key, st: inserts.store_steps(self, ns, key, st))  # 4-bit-decoded turns
+        self.refills = TurnRefills(runner, config.prefill_chunk_tokens, lambda ns, key, st: inserts.store_steps(self, ns, key, st))  # finished turns, re-fed
         self.counters = EngineCounters()
         self.pieces = PieceStore()  # KV shared between cache entries, stored once (docs/cache.md)
         self.disk = disk  # the disk tier (docs/cache.md), None when off

@@ -1,13 +1,14 @@
-"""Finished 4-bit-decoded turns, re-fed by prefill so that prompt + reply can be cached exactly.
+"""Finished turns, re-fed by prefill so that prompt + reply can be cached exactly.
 
 A 4-bit decoded token's KV has other bits than prefilling it would give (docs/exactness.md), so a
-finished turn's own state is not offered to the cache. Its state is cut back to the exact prompt and
-the reply re-fed in prefill chunks, off the serving path: only while the engine has nothing else to
-do, one layer at a time between its loop's turns, then stored one piece at a time (a bitwise compare
-with the prompt's cached piece, or a copy), so a request arriving meanwhile waits one layer or one
-piece (about a millisecond each for the embedded model), never a whole forward or a whole store. When the chat's next message arrives first, its admission finishes
-the refill at once (the request would compute those tokens itself) and is billed for them as
-computed, not cached.
+finished turn's own state is not offered to the cache: it is cut back to the exact prompt and the
+reply re-fed. Dense decode states are exact, but decode never fed the reply's last sampled token:
+only that one is fed. Either way in prefill chunks, off the serving path: only while the engine has
+nothing else to do, one layer at a time between its loop's turns, then stored one piece at a time (a
+bitwise compare with the prompt's cached piece, or a copy), so a request arriving meanwhile waits one
+layer or one piece (about a millisecond each for the embedded model), never a whole forward or a
+whole store. When the chat's next message arrives first, its admission finishes the refill at once
+(the request would compute those tokens itself) and is billed for them as computed, not cached.
 """
 
 from __future__ import annotations
