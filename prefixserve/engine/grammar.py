@@ -20,6 +20,35 @@ import torch
 
 from prefixserve.types import Constraint, InvalidRequest
 
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+
+
+def closed_objects(schema: Any, part_of_all: bool = False) -> Any:
+    """`schema` with every object schema that lists its `properties` (or `patternProperties`) and says
+    nothing of other keys closed to them (`additionalProperties: false`), as vLLM's and xgrammar's
+    structured outputs read a schema: a forced tool call or a structured reply holds the keys it
+    declares, not ones a weak model invents (`{"city": "Oslo", "properties": {...}}`). Not a part of an
+    `allOf` or a schema beside one, whose parts each list only some of the keys. A new object."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed_objects(s) for name, s in v.items()}
+        elif k in SCHEMA_LISTS and isinstance(v, list):
+            out[k] = [closed_objects(s, k == "allOf") for s in v]
+        elif k in SCHEMA_ONE:
+            out[k] = closed_objects(v)
+        else:  # const, enum, default, examples, ...: values, not schemas
+            out[k] = v
+    opens = ("additionalProperties", "unevaluatedProperties", "allOf", "$ref")
+    if not part_of_all and ("properties" in out or "patternProperties" in out) and not any(k in out for k in opens):
+        out["additionalProperties"] = False
+    return out
+
 
 def grammar_source(constraint: Constraint) -> str:
     """The llguidance grammar (a string) for a constraint. Raises InvalidRequest if it cannot be built."""
@@ -28,7 +57,7 @@ def grammar_source(constraint: Constraint) -> str:
     try:
         if constraint.kind == "lark":
             return str(llguidance.LLMatcher.grammar_from_lark(constraint.source))
-        schema: Any = {"type": "object"} if constraint.kind == "json_object" else json.loads(constraint.source)
+        schema: Any = {"type": "object"} if constraint.kind == "json_object" else closed_objects(json.loads(constraint.source))
         return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
     except (ValueError, TypeError) as e:
         raise InvalidRequest(f"the schema cannot be compiled: {e}") from None

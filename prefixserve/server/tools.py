@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.engine.grammar import closed_objects
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD, TAIL = OPEN + "\n", "\n" + CLOSE  # around a call's JSON object (`call_text`)
 ITEM_SEP, KEY_SEP = ", ", ": "  # the templates' `tojson` (json.dumps' defaults), and the forced grammar's
@@ -118,7 +120,8 @@ def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
         fn = tool["function"]
         if name is not None and fn["name"] != name:
             continue
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        # no parameters: an empty list of them (OpenAI's reading), so the call's arguments are {}
+        params = closed_objects(fn.get("parameters") or {"type": "object", "properties": {}})
         options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}

@@ -42,13 +42,16 @@ def smol(make_client: Callable[..., TestClient], tok: Tokenizer) -> TestClient:
     return make_client(eng=eng)
 
 
-def accepts(tok: Tokenizer, text: str) -> bool:
+def accepts(tok: Tokenizer, text: str, tools: list[dict[str, Any]] | None = None) -> bool:
     """Whether the forced-call grammar lets the model write exactly `text` (in the tokenizer's tokens)."""
+    return matches(tok, Constraint("lark", call_grammar(tools or [WEATHER], None)), text)
+
+
+def matches(tok: Tokenizer, constraint: Constraint, text: str) -> bool:
     import llguidance
     import llguidance.hf
 
-    grammar = grammar_source(Constraint("lark", call_grammar([WEATHER], None)))
-    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok.hf), grammar, log_level=0)
+    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok.hf), grammar_source(constraint), log_level=0)
     return bool(m.consume_tokens(tok.hf.encode(text, add_special_tokens=False))) and m.is_accepting()
 
 
@@ -65,6 +68,35 @@ def test_the_grammar_forces_the_form_that_is_written_back(tok: Tokenizer) -> Non
     sorted_keys = '<tool_call>\n{"arguments": {"city": "Paris", "days": 2}, "name": "get_weather"}\n</tool_call>'
     no_newlines = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
     assert not any(accepts(tok, text) for text in (compact, sorted_keys, no_newlines))
+
+
+def test_forced_arguments_hold_the_declared_keys_only(tok: Tokenizer) -> None:
+    """QA: a function declared without `parameters` was forced with an open object, and the embedded
+    model filled 1,024 tokens with `{"name": "ping", "parameters": {"name": ...` (cut, not JSON); a tool
+    with listed properties got invented extra keys beside them. No parameters is an empty list of them
+    (OpenAI's reading): `{}`; an object schema that lists its properties and says nothing of others gets
+    no others (as vLLM and xgrammar read it); one that allows others (or lists none) keeps them."""
+    def call(name: str, args: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+    ping = {"type": "function", "function": {"name": "ping", "description": "Ping the server"}}
+    assert accepts(tok, call("ping", "{}"), [ping])
+    assert not accepts(tok, call("ping", '{"name": "ping"}'), [ping])
+    empty = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+    assert accepts(tok, call("ping", "{}"), [empty]) and not accepts(tok, call("ping", '{"x": 1}'), [empty])
+    city = {"type": "object", "properties": {"city": {"type": "string"}, "where": {
+        "type": "object", "properties": {"lat": {"type": "number"}}}}, "required": ["city"]}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    assert accepts(tok, call("get_weather", '{"city": "Oslo", "where": {"lat": 59.9}}'), [weather])
+    assert not accepts(tok, call("get_weather", '{"city": "Oslo", "properties": {}}'), [weather])
+    assert not accepts(tok, call("get_weather", '{"city": "Oslo", "where": {"lat": 1, "x": 2}}'), [weather])
+    free = {"type": "function", "function": {"name": "log", "parameters": {
+        "type": "object", "properties": {"extra": {"type": "object"}}, "additionalProperties": True}}}
+    assert accepts(tok, call("log", '{"extra": {"any": 1}, "more": 2}'), [free])
+    assert city == {"type": "object", "properties": {"city": {"type": "string"}, "where": {
+        "type": "object", "properties": {"lat": {"type": "number"}}}}, "required": ["city"]}  # not changed
+    # response_format's schemas read the same way; a property named "properties" is a property
+    schema = Constraint("json_schema", json.dumps({"type": "object", "properties": {"properties": {"type": "integer"}}}))
+    assert matches(tok, schema, '{"properties":1}') and not matches(tok, schema, '{"properties":1,"age":2}')
 
 
 @pytest.mark.parametrize("reply", [
