@@ -23,13 +23,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixserve.engine.session import kv_bytes_needed
-from prefixserve.types import Overloaded, Request
+from prefixserve.cache import Hit
+from prefixserve.engine.session import Phase, Session, kv_bytes_needed
+from prefixserve.types import Overloaded, Request, lcp
 
 if TYPE_CHECKING:
     from prefixserve.engine.core import EngineCore
 
 RETRY_AFTER_S = 2  # a 429's Retry-After: about one step
+FOLLOW_MIN_TOKENS = 64  # a request waits for a prompt under way only to be served at least this many more tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,36 @@ class Room:
 class Counts:
     num_waiting: int  # requests not started yet: in the core's queue or the inbox
     num_queued: int  # of those, the ones the next admission would not start (`--max-queued-requests` bounds them)
+
+
+def follows(core: EngineCore, s: Session) -> bool:
+    """Whether `s` should wait for a prompt being prefilled in its own namespace instead of starting:
+    once that prompt is computed its entry serves `s` at least `FOLLOW_MIN_TOKENS` more tokens than the
+    cache does now, and those are at least half of what the leader has left to compute (so the wait is
+    mostly the tokens `s` would compute anyway). A burst of requests opening with one new system prompt
+    computes it once, not once each: the first prefills, the others start as its prefill ends and hit
+    it (the learning sequence, in a burst). Never across namespaces: another tenant's or salt's prompts
+    cannot delay a request, so waiting tells nothing about them. Shared prefixes are memoised per
+    leader (`Session.shared_with`); the cache is asked only when one is long enough."""
+    req = s.request
+    if not core.exact_reuse or core.cache.config.max_bytes == 0 or req.sampling.prompt_logprobs is not None:
+        return False
+    have = -1
+    for r in core.running:
+        if r.phase is not Phase.PREFILL or r.request.namespace != req.namespace:
+            continue
+        shared = s.shared_with.get(r.request.request_id)
+        if shared is None:
+            shared = s.shared_with[r.request.request_id] = lcp(req.prompt_ids, r.request.prompt_ids)
+        if shared < FOLLOW_MIN_TOKENS:
+            continue
+        if have < 0:
+            hit = core.cache.peek(req.namespace, req.prompt_ids)
+            have = hit.num_cached_tokens if isinstance(hit, Hit) else 0
+        extra = shared - have
+        if extra >= FOLLOW_MIN_TOKENS and 2 * extra >= r.prompt_len - r.num_computed:
+            return True
+    return False
 
 
 def room(core: EngineCore) -> Room:

@@ -15,7 +15,7 @@ from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
 from prefixserve.cache.shared import SharedTier
 from prefixserve.config import EngineConfig, session_tokens
-from prefixserve.engine import control, inserts, outputs
+from prefixserve.engine import admission, control, inserts, outputs
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.grammar import GrammarCompiler
@@ -263,8 +263,12 @@ class EngineCore:
     def _admit(self) -> None:
         if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
             self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
+        held: list[Session] = []  # waiting for a prompt under way that will serve them (admission.follows)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             s = self.waiting[0]  # back from a lower tier's load, it holds its reservation already
+            if admission.follows(self, s):
+                held.append(self.waiting.popleft())
+                continue
             need = kv_bytes_needed(s.request, self.max_model_len, self.runner.kv_bytes_per_token()) - s.reserved_bytes
             if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
                 break  # waits until running sessions finish and free their share
@@ -275,6 +279,7 @@ class EngineCore:
                 continue
             self.running.append(s)
             self._start(s)
+        self.waiting.extendleft(reversed(held))  # their places in the queue
         # pooled buffers (runner/state.py KVPool) and the admitted sessions' KV share the session
         # budget: the server's memory bound (README, "Under pressure") holds with the pool full
         self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes)

@@ -76,6 +76,7 @@ class Session:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far (sampling.prompt_logprobs)
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of output tokens whose text is not settled
     num_logprobs_out: int = 0  # output tokens whose logprobs went out (engine/outputs.py settled_logprobs)
+    shared_with: dict[str, int] = field(default_factory=dict)  # prompt prefilling -> tokens shared (admission.follows)
 
     @property
     def prompt_len(self) -> int:
