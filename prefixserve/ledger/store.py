@@ -77,6 +77,8 @@ def init_schema(path: str) -> None:
         raise ValueError(f"ledger path must be a file path, not {path!r}")
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
+    # mode 0600 when new (its -wal and -shm files take the same): tenants' usage is the operator's
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
     conn = connect(path)
     try:
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
