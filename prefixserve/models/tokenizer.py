@@ -33,6 +33,8 @@ def _unicode_to_bytes() -> dict[str, int]:
 BYTE_LEVEL_CHARS = _unicode_to_bytes()
 
 
+END_TOKENS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>"})
+
 class Tokenizer:
     """Wraps a transformers tokenizer. Thread-safe: one lock around every call, since a Hugging Face
     fast tokenizer used from two threads at once can fail ("Already borrowed", huggingface/tokenizers
@@ -44,6 +46,11 @@ class Tokenizer:
         self._extra_eos_ids = tuple(extra_eos_ids)
         self._lock = threading.Lock()
         eos = [i for i in [hf_tokenizer.eos_token_id, *extra_eos_ids] if isinstance(i, int)]
+        # and the control tokens that only ever end a text or a turn (as llama.cpp's end-of-generation
+        # set): the embedded model's file names <|im_end|> its eos, yet a raw completion that samples
+        # <|endoftext|> has ended its document
+        eos += sorted(i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
+                      if getattr(t, "special", False) and t.content in END_TOKENS)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.vocab_size = len(hf_tokenizer)
         specials = sorted({t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values()

@@ -511,3 +511,13 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(nocache: ServerProcess) ->
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert finish == ["length"] and chunks[-1].usage.completion_tokens == 40
     assert nocache.terminate() == 0, nocache.log_tail()
+
+
+def test_a_completion_that_samples_endoftext_has_ended(server: ServerProcess) -> None:
+    """QA: the embedded model's file names <|im_end|> its eos, so a raw completion that sampled
+    <|endoftext|> (id 0) went on past its document's end. The tokens that only ever end a text or a
+    turn stop generation, as in llama.cpp's server."""
+    r = client(server).completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=5,
+                                          temperature=0, logit_bias={"0": 100})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("", "stop")
+    assert r.usage is not None and r.usage.completion_tokens == 1
