@@ -13,8 +13,7 @@ import re
 from typing import Any
 
 from prefixserve.config import DEFAULT_MAX_TOKENS
-from prefixserve.engine.grammar import check_constraint
-from prefixserve.engine.protocol import EngineClient, InvalidRequest, TemplateError
+from prefixserve.engine.protocol import EngineClient, TemplateError
 from prefixserve.server import params, reasoning, tools
 from prefixserve.server.completions import check_chars, check_fits, include_usage, prepared
 from prefixserve.server.errors import bad_request
@@ -50,12 +49,12 @@ def prepare_chat(
         raise bad_request("the legacy functions API is not supported; use tools", "functions")
     tool_list = check_tools(body)
     forced = forced_tool(body, tool_list)
-    constraint = response_constraint(body.response_format)
+    constraint = params.response_constraint(body.response_format)
     if forced is not None:
         if constraint is not None:
             raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
         assert tool_list is not None
-        constraint = _checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
+        constraint = params.checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
     messages = render_messages(body.messages)
     kwargs = check_template_kwargs(body.chat_template_kwargs)
     if memo is None:
@@ -120,7 +119,7 @@ def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str,
         if schema is not None:
             if schema.get("type", "object") != "object":
                 raise bad_request("parameters must be a JSON schema of type 'object'", param)
-            _checked(Constraint("json_schema", json.dumps(schema)), param)
+            params.checked(Constraint("json_schema", json.dumps(schema)), param)
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", "tools")
@@ -145,36 +144,6 @@ def forced_tool(body: ChatCompletionRequest, tool_list: list[dict[str, Any]] | N
     if name not in {t["function"]["name"] for t in tool_list}:
         raise bad_request(f"tool_choice names an unknown function {name[:64]!r}", "tool_choice")
     return name
-
-
-def response_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
-    """response_format -> a Constraint: text (None), json_object, or json_schema {name, schema, strict}."""
-    if fmt is None:
-        return None
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return Constraint("json_object")
-    if kind != "json_schema":
-        raise bad_request("response_format type must be 'text', 'json_object' or 'json_schema'", "response_format")
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise bad_request("response_format.json_schema needs a 'name' and a 'schema'", "response_format.json_schema")
-    schema = spec.get("schema", {"type": "object"})
-    if not isinstance(schema, dict):
-        raise bad_request("the schema must be a JSON object", "response_format.json_schema.schema")
-    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
-        raise bad_request("strict must be a boolean", "response_format.json_schema.strict")
-    return _checked(Constraint("json_schema", json.dumps(schema)), "response_format.json_schema.schema")
-
-
-def _checked(constraint: Constraint, param: str) -> Constraint:
-    try:
-        check_constraint(constraint)
-    except InvalidRequest as e:
-        raise bad_request(str(e), param) from None
-    return constraint
 
 
 def render_prompt(
@@ -242,6 +211,7 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     out: list[dict[str, Any]] = []
+    answering: set[str | None] | None = None  # the call ids tool messages may answer here (after an assistant's calls)
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = "system" if msg.role == "developer" else msg.role
@@ -259,7 +229,17 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if msg.role == "tool":
             if msg.tool_call_id is None:
                 raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+            if answering is None:  # as OpenAI: a result answers a call of the assistant message before it
+                raise bad_request("messages with role 'tool' must be a response to a preceding assistant message "
+                                  "with 'tool_calls'", f"{where}.role")
+            if None not in answering and msg.tool_call_id not in answering:  # (calls sent without ids: any)
+                raise bad_request(f"tool_call_id {msg.tool_call_id[:64]!r} is not among the 'tool_calls' of the "
+                                  "preceding assistant message", f"{where}.tool_call_id")
             item["tool_call_id"] = msg.tool_call_id
+        elif msg.role == "assistant" and msg.tool_calls:
+            answering = {tc.id for tc in msg.tool_calls}
+        else:
+            answering = None
         out.append(item)
     return out
 
@@ -275,6 +255,8 @@ def message_text(content: Any, where: str, msg: ChatMessage) -> str:
         return params.check_text(content, f"{where}.content")
     if not isinstance(content, list):
         raise bad_request("content must be a string or a list of text parts", f"{where}.content")
+    if not content and msg.role != "assistant":
+        raise bad_request("content must not be an empty list of parts", f"{where}.content")
     texts: list[str] = []
     for j, part in enumerate(content):
         param = f"{where}.content[{j}]"

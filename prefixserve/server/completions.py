@@ -54,6 +54,7 @@ def prepare_completion(
         raise bad_request("max_tokens 0 returns the prompt once: n and best_of must be 1", "n")
     if body.suffix:
         raise bad_request("suffix needs a model with fill-in-the-middle tokens; this model has none", "suffix")
+    constraint = params.response_constraint(body.response_format)
     keyed = None if memo is None else (memo, params.namespace(engine.model_id, tenant_id, salt))
     given = given_prompts(body.prompt)
     prompts = [prompt_token_ids(p, engine, keyed) for p in given]
@@ -65,7 +66,7 @@ def prepare_completion(
     num_logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
     sampling = params.sampling_params(body, body.max_tokens, min(COMPLETION_MAX_TOKENS, default_max_tokens),
                                       engine.max_model_len, max(len(ids) for ids in prompts),
-                                      engine.vocab_size, num_logprobs,
+                                      engine.vocab_size, num_logprobs, constraint,
                                       prompt_logprobs=body.logprobs if body.echo else None,
                                       zero_tokens_ok=bool(body.echo), max_session_tokens=engine.max_session_tokens)
     shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),

@@ -7,11 +7,13 @@ vocabulary size.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from prefixserve.engine.grammar import check_constraint
 from prefixserve.server.errors import APIError, bad_request
 from prefixserve.server.schemas import SamplingFields
-from prefixserve.types import MAX_CHOICES, Constraint, Namespace, SamplingParams
+from prefixserve.types import MAX_CHOICES, Constraint, InvalidRequest, Namespace, SamplingParams
 
 MAX_SALT_CHARS = 256
 MAX_STOP_SEQUENCES = 16
@@ -183,3 +185,33 @@ def check_text(text: str, param: str) -> str:
     except UnicodeEncodeError:
         raise bad_request(f"{param} contains invalid unicode", param) from None
     return text
+
+
+def response_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
+    """response_format -> a Constraint: text (None), json_object, or json_schema {name, schema, strict}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise bad_request("response_format type must be 'text', 'json_object' or 'json_schema'", "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema needs a 'name' and a 'schema'", "response_format.json_schema")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request("the schema must be a JSON object", "response_format.json_schema.schema")
+    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+        raise bad_request("strict must be a boolean", "response_format.json_schema.strict")
+    return checked(Constraint("json_schema", json.dumps(schema)), "response_format.json_schema.schema")
+
+
+def checked(constraint: Constraint, param: str) -> Constraint:
+    try:
+        check_constraint(constraint)
+    except InvalidRequest as e:
+        raise bad_request(str(e), param) from None
+    return constraint

@@ -60,6 +60,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # extension (vLLM): a raw completion held to JSON
 
 
 class FunctionCall(BaseModel):

@@ -83,6 +83,11 @@ def test_parse_returns_a_pydantic_object(server: ServerProcess) -> None:
         messages=[{"role": "user", "content": "Any JSON."}], response_format={"type": "json_object"})
     for ch in r.choices:  # a reply cut by max_tokens is cut JSON, as with OpenAI; else it parses
         assert ch.finish_reason == "length" or isinstance(json.loads(ch.message.content or ""), dict)
+    # a raw completion too (vLLM's extension; QA: it was ignored and the text was not JSON)
+    text = client(server).completions.create(
+        model=model_id(server), prompt="Lisbon as JSON:", max_tokens=60, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": City.model_json_schema()}}})
+    assert text.choices[0].finish_reason == "stop" and City.model_validate_json(text.choices[0].text)
 
 
 def test_forced_tool_call_round_trip_streamed_and_not_hits_the_cache(server: ServerProcess) -> None:

@@ -100,6 +100,13 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
     (CH, {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages[0].content[0]"),
     (CH, {"messages": [{"role": "tool", "content": "r"}]}, 400, "messages[0].tool_call_id"),
+    # QA: a tool result answering no call was accepted (the Responses API refused it, as OpenAI does)
+    (CH, {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "zzz", "content": "r"}]},
+     400, "messages[1].role"),
+    (CH, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        {"role": "tool", "tool_call_id": "zzz", "content": "r"}]}, 400, "messages[3].tool_call_id"),
+    (CH, {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
     (
         CH,
         {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
@@ -137,6 +144,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CH, {"messages": MSGS, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     (CH, {"messages": MSGS, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (C, {"prompt": "p", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    (C, {"prompt": "p", "response_format": "json"}, 400, "response_format"),
     (CH, {"messages": MSGS, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
     (CH, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
      400, "response_format.json_schema.schema"),
