@@ -87,6 +87,22 @@ def store_steps(core: EngineCore, ns: Namespace, key: tuple[int, ...], state: Se
                 tier.offer(ns, key, snap)
 
 
+KEEP_MIN_TOKENS = 64  # an abandoned prefill is cached only when it computed at least this many tokens
+
+
+def keep_computed(core: EngineCore, s: Session) -> None:
+    """A prompt abandoned mid-prefill (its client left): cache what it computed, so the requests that
+    waited for it (engine/admission.py `follows`) or the client's retry start there, not from scratch.
+    KV-only states, exact at any length (a hybrid's checkpoints went in as it prefilled: `after_chunk`)."""
+    st = s.state
+    if st is None or not st.truncatable or not s.cacheable or not core.exact_reuse or core.cache.config.max_bytes == 0:
+        return
+    if st.num_tokens - s.num_cached >= KEEP_MIN_TOKENS:
+        key = tuple(s.request.prompt_ids[: st.num_tokens])
+        if core.cache.get(s.request.namespace, key) is None:
+            store(core, s.request.namespace, key, st)
+
+
 def offer_turn(core: EngineCore, s: Session) -> None:
     """Cache prompt + reply so the next turn of the conversation hits its own history.
 

@@ -111,6 +111,7 @@ def finish(
     if s.phase is Phase.FINISHED:
         return
     usage = s.usage()  # before the phase changes: an unfinished prompt bills what was processed
+    prefilling = s.phase is Phase.PREFILL
     s.phase = Phase.FINISHED
     s.finish_reason = reason
     s.pending_token = None
@@ -122,6 +123,8 @@ def finish(
         inserts.offer_turn(core, s)
     else:
         core.counters.num_aborted += 1
+        if reason is FinishReason.ABORT and prefilling:
+            inserts.keep_computed(core, s)
     if s.pending_restore is not None:
         core.cache.unpin(s.pending_restore)
         s.pending_restore = None

@@ -59,3 +59,35 @@ def test_a_short_shared_prefix_does_not_wait():
         return out
 
     assert [u.cached_tokens for _, u in asyncio.run(go())] == [0, 0]
+
+
+def test_a_prompt_abandoned_mid_prefill_keeps_what_it_computed():
+    """QA: a burst's first request cancelled 1 s into a long prefill left nothing cached, so the next
+    waiting request computed the prompt again from the start. What an abandoned prefill computed is
+    cached (a KV state is exact at any length), and the retry starts there, answering as a cache-less
+    engine does."""
+    cached, plain = make_engine(1 << 30), make_engine(0)
+    tok = cached.tokenizer
+    prompt = tok.render_chat([{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": USERS[0]}])
+    ns = Namespace("smol", "tenant-a")
+
+    async def go():
+        import uuid
+
+        from prefixserve.types import Request, SamplingParams
+        gen = cached.generate(Request(uuid.uuid4().hex, ns, tuple(prompt), SamplingParams(max_tokens=4, temperature=0.0)))
+        await gen.__anext__()  # admitted: its prefill has started
+        for _ in range(400):  # until it computed a few chunks
+            if cached.core.counters.num_computed_prompt_tokens >= 256:
+                break
+            await asyncio.sleep(0.005)
+        await gen.aclose()  # the client leaves mid-prefill
+        retry = await run(cached, prompt, ns)
+        ref = await run(plain, prompt, ns)
+        await cached.shutdown()
+        await plain.shutdown()
+        return retry, ref
+
+    (out, usage), (ref, _) = asyncio.run(go())
+    assert 256 <= usage.cached_tokens < len(prompt) and out == ref
+    assert cached.core.cache.check_integrity() is None
