@@ -60,7 +60,7 @@ def follows(core: EngineCore, s: Session) -> bool:
     cannot delay a request, so waiting tells nothing about them. Shared prefixes are memoised per
     leader (`Session.shared_with`); the cache is asked only when one is long enough."""
     req = s.request
-    if not core.exact_reuse or core.cache.config.max_bytes == 0 or req.sampling.prompt_logprobs is not None:
+    if not core._reuses(req) or core.cache.config.max_bytes == 0:
         return False
     have = -1
     for r in core.running:

@@ -95,12 +95,10 @@ def keep_computed(core: EngineCore, s: Session) -> None:
     waited for it (engine/admission.py `follows`) or the client's retry start there, not from scratch.
     KV-only states, exact at any length (a hybrid's checkpoints went in as it prefilled: `after_chunk`)."""
     st = s.state
-    if st is None or not st.truncatable or not s.cacheable or not core.exact_reuse or core.cache.config.max_bytes == 0:
+    if st is None or not st.truncatable or st.num_tokens - s.num_cached < KEEP_MIN_TOKENS:
         return
-    if st.num_tokens - s.num_cached >= KEEP_MIN_TOKENS:
-        key = tuple(s.request.prompt_ids[: st.num_tokens])
-        if core.cache.get(s.request.namespace, key) is None:
-            store(core, s.request.namespace, key, st)
+    if core.cache.get(s.request.namespace, tuple(s.request.prompt_ids[: st.num_tokens])) is None:
+        insert(core, s, st.num_tokens)  # unless caching is off here or a flush made the session uncacheable
 
 
 def offer_turn(core: EngineCore, s: Session) -> None:

@@ -35,6 +35,7 @@ BYTE_LEVEL_CHARS = _unicode_to_bytes()
 
 END_TOKENS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>"})
 
+
 class Tokenizer:
     """Wraps a transformers tokenizer. Thread-safe: one lock around every call, since a Hugging Face
     fast tokenizer used from two threads at once can fail ("Already borrowed", huggingface/tokenizers
