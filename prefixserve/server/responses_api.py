@@ -13,7 +13,8 @@ status `incomplete` with reason `max_output_tokens` when cut), streamed as typed
 A finished response is kept in memory for its tenant (server/response_store.py) unless `store` is
 false: `previous_response_id` continues its conversation (the stored history, then this request's
 `instructions` and `input`, rendered as a client re-sending it all would be, so the cache serves the
-history the same way), GET / DELETE /v1/responses/{id} read and forget it, and its input items can be
+history the same way, in the namespace of the response it continues: its `cache_salt`, echoed in the
+response object, carries on unless the request names another), GET / DELETE /v1/responses/{id} read and forget it, and its input items can be
 listed or replayed by `item_reference` (server/response_items.py). `conversation` objects,
 stored prompt templates and background runs are refused.
 """
@@ -57,6 +58,7 @@ def prepare_response(
     `store`, the finished response is kept there unless the body says `store: false`."""
     history: tuple[dict[str, Any], ...] = ()
     history_items: tuple[dict[str, Any], ...] = ()
+    salt = body.cache_salt
     if body.previous_response_id is not None:
         if store is None:
             raise bad_request("this server keeps no responses (--max-stored-responses 0): send the whole "
@@ -66,6 +68,8 @@ def prepare_response(
             raise APIError(404, f"Previous response with id '{body.previous_response_id[:64]}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
         history, history_items = found.messages, (*found.items, *found.response["output"])
+        if salt is None:  # the chain stays in its namespace, where its history is cached
+            salt = found.response.get("cache_salt")
     for name, why in (("conversation", "conversation objects are not kept: use previous_response_id"),
                       ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground")):
         if getattr(body, name) not in (None, False, 0):
@@ -80,9 +84,11 @@ def prepare_response(
     conversation = [*history, *chat_messages(given)]  # what a later request's previous_response_id continues
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {"messages": [*system, *conversation], "stream": body.stream}
-    for name in ("model", "temperature", "top_p", "user", "cache_salt", "parallel_tool_calls", "seed"):
+    for name in ("model", "temperature", "top_p", "user", "parallel_tool_calls", "seed"):
         if (value := getattr(body, name)) is not None:
             chat[name] = value
+    if salt is not None:
+        chat["cache_salt"] = salt
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
     if body.tools:
@@ -109,7 +115,7 @@ def prepare_response(
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "user": body.user,
             "store": keeping, "truncation": "disabled", "reasoning": None,
-            "previous_response_id": body.previous_response_id}
+            "previous_response_id": body.previous_response_id, "cache_salt": salt}
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = None
     if keeping:

@@ -203,6 +203,24 @@ def test_previous_response_id_continues_the_stored_conversation(client: TestClie
     assert engine.tokenizer.decode(engine.requests[-1].prompt_ids).count("<user>") == 3
 
 
+def test_a_chain_stays_in_its_cache_salt_unless_a_request_names_another(client: TestClient, engine: FakeEngine) -> None:
+    """A continuation that does not repeat the first request's cache_salt is keyed in its namespace,
+    where its history is cached (it used to land unsalted and miss)."""
+    first = client.post(R, json={"input": "hello", "cache_salt": "s1", "max_output_tokens": 3}, headers=auth()).json()
+    assert first["cache_salt"] == "s1"
+    salted = engine.requests[-1].namespace
+    second = client.post(R, json={"input": "more", "previous_response_id": first["id"], "max_output_tokens": 3},
+                         headers=auth()).json()
+    assert engine.requests[-1].namespace == salted and second["cache_salt"] == "s1"
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    third = client.post(R, json={"input": "again", "previous_response_id": second["id"], "cache_salt": "s2",
+                                 "max_output_tokens": 3}, headers=auth()).json()
+    assert third["cache_salt"] == "s2" and engine.requests[-1].namespace not in (salted,)
+    assert third["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    plain = client.post(R, json={"input": "x", "max_output_tokens": 1}, headers=auth()).json()
+    assert plain["cache_salt"] is None and engine.requests[-1].namespace.cache_salt == ""
+
+
 def test_a_function_call_output_continues_a_stored_call(client: TestClient, engine: FakeEngine) -> None:
     prompt_len = len(engine.tokenizer.render_chat([{"role": "user", "content": CALL}], TOOLS_CH))
     first = client.post(R, json={"input": CALL, "tools": TOOLS_R, "max_output_tokens": prompt_len},
