@@ -174,6 +174,7 @@ def test_response_failed_keeps_the_text_already_streamed(client: TestClient, eng
     opened = next(e["item"] for e in evs if e["type"] == "response.output_item.added")
     assert message["id"] == opened["id"] and message["status"] == "incomplete"
     assert message["content"][0]["text"] == shown
+    assert client.get(f"{R}/{failed['id']}", headers=auth()).json() == failed  # stored, as OpenAI keeps it
 
 
 def test_requests_to_the_new_routes_are_counted_under_their_own_label(client: TestClient) -> None:
