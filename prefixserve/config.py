@@ -144,6 +144,8 @@ class ServerConfig:
     # /metrics readable without a key where tenant keys are configured (a scraper on a private network);
     # else it needs the admin key there (its figures are every tenant's traffic together)
     metrics_open: bool = False
+    # origins whose browser pages may call the API (CORS); "*" any; empty: none (browsers refuse them)
+    allowed_origins: tuple[str, ...] = ()
     data_dir: str = ""  # "" = default_data_dir(os.environ), resolved by the caller that reads the environment
     ledger_path: str | None = None  # None = <data_dir>/usage.sqlite3
     pricing_path: str | None = None

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from prefixserve.config import ServerConfig
@@ -99,6 +100,9 @@ def create_app(
     # inside RequestCounter, so the last word the shutdown writes for a request is counted and logged
     app.add_middleware(EndingsMiddleware, endings=app.state.endings)
     app.add_middleware(RequestCounter, metrics=metrics)
+    if server_config.allowed_origins:  # outermost: a browser's preflight carries no key and is answered here
+        app.add_middleware(CORSMiddleware, allow_origins=list(server_config.allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE", "HEAD"], allow_headers=["*"], max_age=600)
 
     # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -84,6 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
             api_keys=tuple(specs),
             admin_key=s["admin_key"] or None,
             metrics_open=bool(s["metrics_open"]),
+            allowed_origins=tuple(s["allowed_origins"]),
             data_dir=str(data_dir),
             ledger_path=s["ledger_path"] or str(data_dir / "usage.sqlite3"),
             pricing_path=s["pricing"],

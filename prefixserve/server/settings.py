@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,15 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_origins(text: str) -> tuple[str, ...]:
+    """'https://a.example,https://b.example' or '*' -> the origins; each scheme://host[:port], no path."""
+    origins = tuple(dict.fromkeys(part.strip().rstrip("/") for part in text.split(",") if part.strip()))
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/?#\s]+", origin):
+            raise argparse.ArgumentTypeError(f"not an origin (scheme://host[:port], or '*'): {origin!r}")
+    return origins
+
+
 def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
@@ -62,6 +72,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "api_keys_file": ("PREFIXSERVE_API_KEYS_FILE", str, None),
     "admin_key": ("PREFIXSERVE_ADMIN_KEY", str, None),
     "metrics_open": ("PREFIXSERVE_METRICS_OPEN", _flag, False),
+    "allowed_origins": ("PREFIXSERVE_ALLOWED_ORIGINS", parse_origins, ()),
     "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
     "cache_dir": ("PREFIXSERVE_CACHE_DIR", str, None),  # None = <data dir>/cache
     "cache_disk_bytes": ("PREFIXSERVE_CACHE_DISK_BYTES", parse_bytes, 0),
@@ -114,6 +125,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--metrics-open", action="store_true", default=None,
       help="/metrics without a key where API keys are configured (else it takes the admin key there: its "
            "figures are all tenants' traffic; PREFIXSERVE_METRICS_OPEN=1)")
+    a("--allowed-origins", type=parse_origins, metavar="ORIGINS",
+      help="comma-separated origins (https://app.example) whose browser pages may call the API, or '*' for any "
+           "(CORS; an API key is still needed where keys are configured); default none "
+           "(PREFIXSERVE_ALLOWED_ORIGINS)")
     a("--cache-max-bytes", type=parse_bytes, metavar="N",
       help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)")
     a("--cache-dir", metavar="PATH",

@@ -42,8 +42,10 @@ def make_client(engine: FakeEngine) -> Iterator[Callable[..., TestClient]]:
         ledger: Any = None,
         eng: FakeEngine | None = None,
         metrics_open: bool = False,
+        allowed_origins: tuple[str, ...] = (),
     ) -> TestClient:
-        config = ServerConfig(api_keys=api_keys, admin_key=admin_key, metrics_open=metrics_open)
+        config = ServerConfig(api_keys=api_keys, admin_key=admin_key, metrics_open=metrics_open,
+                              allowed_origins=allowed_origins)
         app = create_app(eng or engine, config, ledger)
         client = TestClient(app)
         client.__enter__()

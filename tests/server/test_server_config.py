@@ -114,6 +114,12 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert settings.resolve(_args("--metrics-open"), "metrics_open", {}) is True
     assert settings.resolve(_args(), "metrics_open", {"PREFIXSERVE_METRICS_OPEN": "1"}) is True
     assert settings.resolve(_args(), "metrics_open", {}) is False
+    assert settings.resolve(_args("--allowed-origins", "https://a.example/, http://b:8080"), "allowed_origins",
+                            {}) == ("https://a.example", "http://b:8080")
+    assert settings.resolve(_args(), "allowed_origins", {"PREFIXSERVE_ALLOWED_ORIGINS": "*"}) == ("*",)
+    assert settings.resolve(_args(), "allowed_origins", {}) == ()
+    with pytest.raises(ValueError, match="not an origin"):
+        settings.resolve(_args(), "allowed_origins", {"PREFIXSERVE_ALLOWED_ORIGINS": "https://a.example/app"})
     assert settings.split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
     with pytest.raises(ValueError, match="PREFIXSERVE_PORT='eighty'"):
         settings.resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})

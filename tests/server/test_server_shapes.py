@@ -392,6 +392,36 @@ def test_metrics_take_the_admin_key_where_keys_are_configured(make_client: Any, 
     assert make_client(api_keys=(), admin_key=None).get("/metrics").status_code == 200
 
 
+def test_browser_pages_of_allowed_origins_may_call_the_api(make_client: Any) -> None:
+    """--allowed-origins: a browser's preflight (no key) is answered, and the answers, errors included,
+    carry the origin, so a page there can read them; the key is still required. Without the flag, or
+    from another origin, no CORS header: the browser refuses the page."""
+    page = {"Origin": "https://app.example"}
+    preflight = {**page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"prompt": "abc", "max_tokens": 2}
+    allowed = make_client(allowed_origins=("https://app.example",))
+    r = allowed.options("/v1/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = allowed.post("/v1/completions", json=body, headers={**page, **auth()})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = allowed.post("/v1/completions", json=body, headers=page)
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
+    other = {"Origin": "https://evil.example"}
+    assert allowed.options("/v1/completions", headers={**preflight, **other}).status_code == 400
+    assert "access-control-allow-origin" not in allowed.post("/v1/completions", json=body,
+                                                             headers={**other, **auth()}).headers
+    closed = make_client()
+    assert closed.options("/v1/completions", headers=preflight).status_code == 405
+    assert "access-control-allow-origin" not in closed.post("/v1/completions", json=body,
+                                                            headers={**page, **auth()}).headers
+    anyone = make_client(allowed_origins=("*",))
+    assert anyone.post("/v1/completions", json=body, headers={**page, **auth()}).headers[
+        "access-control-allow-origin"] == "*"
+
+
 def test_metrics_text(client: TestClient) -> None:
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}, headers=auth())
     client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3}, headers=auth())
