@@ -43,6 +43,8 @@ def prepare_chat(
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
     params.check_unsupported(body)
+    params.check_metadata(body.metadata)
+    params.check_text_only(body.modalities, body.audio)
     n = params.check_n(body.n)
     num_logprobs = check_logprobs(body)
     if body.functions is not None or body.function_call is not None:

@@ -215,3 +215,28 @@ def checked(constraint: Constraint, param: str) -> Constraint:
     except InvalidRequest as e:
         raise bad_request(str(e), param) from None
     return constraint
+
+
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise bad_request("metadata may have at most 16 key-value pairs", "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise bad_request("metadata keys may have at most 64 characters", "metadata")
+        if not isinstance(value, str) or len(value) > 512:
+            raise bad_request(f"metadata[{key[:64]!r}] must be a string of at most 512 characters", "metadata")
+
+
+def check_text_only(modalities: Any, audio: Any) -> None:
+    """Chat's `modalities` / `audio`: this server answers in text; a request for audio output is refused
+    by name rather than answered without it."""
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise bad_request("modalities must be a list of strings", "modalities")
+        if any(m != "text" for m in modalities):
+            raise bad_request('only text output is supported here: modalities must be ["text"]', "modalities")
+    if audio is not None:
+        raise bad_request("audio output is not supported here (the model answers in text)", "audio")

@@ -50,19 +50,6 @@ def check_include(include: list[str] | None) -> None:
             raise bad_request(f"include[{i}] must be one of {', '.join(INCLUDABLE)}", f"include[{i}]")
 
 
-def check_metadata(metadata: dict[str, Any] | None) -> None:
-    """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
-    if metadata is None:
-        return
-    if len(metadata) > 16:
-        raise bad_request("metadata may have at most 16 key-value pairs", "metadata")
-    for key, value in metadata.items():
-        if len(key) > 64:
-            raise bad_request("metadata keys may have at most 64 characters", "metadata")
-        if not isinstance(value, str) or len(value) > 512:
-            raise bad_request(f"metadata[{key[:64]!r}] must be a string of at most 512 characters", "metadata")
-
-
 def check_call_outputs(history: tuple[dict[str, Any], ...], items: Any) -> None:
     """A `function_call_output` answers a call made before it, in the stored history or in `input`
     (OpenAI: "No tool call found for function call output with call_id ...")."""

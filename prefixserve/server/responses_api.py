@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from prefixserve.config import DEFAULT_MAX_TOKENS
 from prefixserve.engine.protocol import EngineClient
+from prefixserve.server import params
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.errors import APIError, bad_request, validation_error
 from prefixserve.server.prompt_memo import PromptMemo
@@ -37,7 +38,6 @@ from prefixserve.server.response_items import (
     chat_messages,
     check_call_outputs,
     check_include,
-    check_metadata,
     resolved,
     typed_items,
 )
@@ -80,7 +80,7 @@ def prepare_response(
     given = resolved(body.input, find)
     check_call_outputs(history, given)
     check_include(body.include)
-    check_metadata(body.metadata)
+    params.check_metadata(body.metadata)
     conversation = [*history, *chat_messages(given)]  # what a later request's previous_response_id continues
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {"messages": [*system, *conversation], "stream": body.stream}

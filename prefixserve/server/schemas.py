@@ -110,6 +110,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, llama.cpp): template variables
     functions: Any = None  # the legacy API; refused
+    metadata: dict[str, Any] | None = None  # OpenAI's bounds checked (params.check_metadata), then unused
+    modalities: Any = None  # only ["text"]
+    audio: Any = None  # refused: text output only
     function_call: Any = None
 
 

@@ -155,6 +155,12 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      400, "response_format"),
     (CH, {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions"),
+    (CH, {"messages": MSGS, "modalities": ["text", "audio"]}, 400, "modalities"),  # text is all it answers in
+    (CH, {"messages": MSGS, "modalities": "text"}, 400, "modalities"),
+    (CH, {"messages": MSGS, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    (CH, {"messages": MSGS, "metadata": {"k": 1}}, 400, "metadata"),  # OpenAI's: string values
+    (CH, {"messages": MSGS, "metadata": ["k"]}, 400, "metadata"),
+    (CH, {"messages": MSGS, "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
     (CH, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),  # the field it was set by
     (CH, {"messages": MSGS, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, 400,
@@ -190,6 +196,11 @@ def test_bad_input_is_an_openai_4xx_then_good_request_works(
     good = {"prompt": "ok", "max_tokens": 2} if path == C else {"messages": MSGS, "max_tokens": 2}
     r = client.post(path, json=good, headers=auth())
     assert r.status_code == 200, r.text
+
+
+def test_text_modalities_and_metadata_within_openais_bounds_are_accepted(client: TestClient) -> None:
+    body = {"messages": MSGS, "max_tokens": 2, "modalities": ["text"], "metadata": {"k": "v"}}
+    assert client.post(CH, json=body, headers=auth()).status_code == 200
 
 
 def test_a_streaming_bad_request_is_still_a_plain_400(client: TestClient) -> None:
