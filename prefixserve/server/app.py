@@ -8,8 +8,10 @@ module-level state: everything lives in the closure of one app.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from prefixserve.config import ServerConfig
 from prefixserve.engine.protocol import EngineClient
-from prefixserve.server.auth import KeyStore
+from prefixserve.server.auth import KeyStore, reload_keys
 from prefixserve.server.chat import prepare_chat
 from prefixserve.server.completions import prepare_completion
 from prefixserve.server.endings import Endings, EndingsMiddleware
@@ -58,12 +60,15 @@ def create_app(
     ledger: Any | None = None,
     *,
     keys: KeyStore | None = None,
+    keys_source: Callable[[], KeyStore] | None = None,
     response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """An app serving `engine`. `keys` defaults to the key specs in `server_config.api_keys`
     ('KEY' or 'TENANT KEY') plus its admin key. `ledger` (a prefixserve.ledger.Ledger) gets one
     record per finished or aborted generation request; None disables usage recording and /v1/usage.
-    `response_store` defaults to the store `server_config` describes (`max_stored_responses`, `responses_path`)."""
+    `response_store` defaults to the store `server_config` describes (`max_stored_responses`, `responses_path`).
+    `keys_source` reads the keys again: on SIGHUP (where the app runs in the main thread) they replace
+    `keys` (server/auth.py, `reload_keys`)."""
     keys = keys or KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
     metrics = ServerMetrics(engine)
     chat_prepare = functools.update_wrapper(  # named as prepare_chat in traces
@@ -83,9 +88,17 @@ def create_app(
             if not keys.has_admin and not server_config.metrics_open:
                 logger.warning("/metrics answers no one: with API keys it takes the admin key (--admin-key), "
                                "or serve with --metrics-open")
+        loop = asyncio.get_running_loop()
+        try:  # a new or rotated key without a restart, which would lose the RAM cache
+            loop.add_signal_handler(signal.SIGHUP, reload_keys, keys, keys_source)
+            hup = True
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread (an app under test)
+            hup = False
         try:
             yield
         finally:
+            if hup:
+                loop.remove_signal_handler(signal.SIGHUP)
             logger.info("draining the engine")
             await engine.shutdown(drain=True)
             if ledger is not None:

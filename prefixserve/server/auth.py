@@ -8,18 +8,25 @@ key is compared against all of them with `hmac.compare_digest`, without an early
 With no keys the server is open: every caller is the tenant ``OPEN_TENANT_ID``. The admin key (the
 usage API across tenants, flushing any tenant's cache, /metrics on a server with keys) is recognised
 separately; it is a tenant for generation only if it is also listed.
+
+A running server takes new keys with `KeyStore.replace` (SIGHUP re-reads --api-keys-file,
+server/app.py): a tenant keeps its name, and so its cache namespaces, ledger rows and stored
+responses, across a rotation of its key; a request already authenticated keeps its tenant.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefixserve.server.errors import APIError
+
+logger = logging.getLogger("prefixserve.server")
 
 OPEN_TENANT_ID = "default"
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
@@ -40,7 +47,8 @@ class _KeyEntry:
 
 
 class KeyStore:
-    """Hashed API keys. Immutable after construction; safe to share between requests."""
+    """Hashed API keys; safe to share between requests. `replace` swaps all of them at once (one
+    attribute): each call reads one generation of keys, never a mix."""
 
     def __init__(self, entries: Iterable[tuple[str, str]] = (), admin_key: str | None = None) -> None:
         """entries: (tenant_id, key) pairs. Raises ValueError on an empty or duplicated key."""
@@ -58,8 +66,11 @@ class KeyStore:
             raise ValueError("a tenant name must not be an API key (tenant ids are logged and stored)")
         if admin_key is not None and not admin_key:
             raise ValueError("the admin key must not be empty")
-        self._keys = tuple(keys)
-        self._admin_digest = _digest(admin_key) if admin_key else None
+        self._state = (tuple(keys), _digest(admin_key) if admin_key else None)
+
+    def replace(self, other: KeyStore) -> None:
+        """From now on, `other`'s keys and admin key."""
+        self._state = other._state
 
     @classmethod
     def from_specs(cls, specs: Iterable[str], admin_key: str | None = None) -> KeyStore:
@@ -68,31 +79,32 @@ class KeyStore:
     @property
     def is_open(self) -> bool:
         """No keys configured: anyone may generate, as the single open tenant."""
-        return not self._keys
+        return not self._state[0]
 
     @property
     def num_tenants(self) -> int:
-        return len({k.tenant_id for k in self._keys}) or 1
+        return len({k.tenant_id for k in self._state[0]}) or 1
 
     @property
     def has_admin(self) -> bool:
-        return self._admin_digest is not None
+        return self._state[1] is not None
 
     def identify(self, authorization: str | None) -> Principal:
         """Map an Authorization header to a Principal. Raises APIError(401) when keys are configured and
         the header carries none of them (nor the admin key). In open mode every caller is the open
         tenant, and is also admin if it presents the admin key."""
         key = bearer_token(authorization)
+        keys, admin_digest = self._state
         tenant_id: str | None = None
         is_admin = False
         if key is not None:
             digest = _digest(key)
-            for entry in self._keys:  # all of them, always: no timing hint about which key matched
+            for entry in keys:  # all of them, always: no timing hint about which key matched
                 if hmac.compare_digest(entry.digest, digest):
                     tenant_id = entry.tenant_id
-            if self._admin_digest is not None:
-                is_admin = hmac.compare_digest(self._admin_digest, digest)
-        if self.is_open:
+            if admin_digest is not None:
+                is_admin = hmac.compare_digest(admin_digest, digest)
+        if not keys:
             return Principal(OPEN_TENANT_ID, is_admin)
         if tenant_id is None and not is_admin:
             raise unauthorized(key is None)
@@ -109,6 +121,21 @@ class KeyStore:
 
 
 _INLINE_COMMENT = re.compile(r"\s#(?:\s|$)")
+
+
+def reload_keys(keys: KeyStore, source: Callable[[], KeyStore] | None) -> None:
+    """SIGHUP's handler: `keys` become what `source` reads (the key flags and --api-keys-file read
+    again). A source that fails (a missing file, a bad line, no key left) changes nothing, and says why."""
+    if source is None:
+        logger.warning("SIGHUP: no --api-keys-file to read again; the API keys are unchanged")
+        return
+    try:
+        new = source()
+    except (OSError, ValueError) as e:
+        logger.error("SIGHUP: the API keys are unchanged: %s", e)
+        return
+    keys.replace(new)
+    logger.info("SIGHUP: API keys read again: %d tenant(s)", new.num_tenants)
 
 
 def parse_key_spec(spec: str) -> tuple[str, str]:

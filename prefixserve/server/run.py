@@ -117,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # and SIGHUP (the keys are read again once it serves) is no death
     from prefixserve.engine import build_engine
     from prefixserve.models import ModelLoadError
 
@@ -140,7 +141,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixserve.server.app import create_app
 
     # owns engine, ledger and stored responses from here
-    app = create_app(engine, server_config, ledger, keys=keys, response_store=responses)
+    def keys_source() -> KeyStore:  # SIGHUP: the key flags and the keys file, read again
+        return KeyStore.from_specs([*api_key_specs(args, env), *read_keys_file_for_flag(s["api_keys_file"])],
+                                   server_config.admin_key)
+
+    app = create_app(engine, server_config, ledger, keys=keys, keys_source=keys_source if s["api_keys_file"] else None,
+                     response_store=responses)
     return serve_app(app, server_config.host, server_config.port, s["log_level"], sock, engine=engine,
                      shutdown_timeout_s=server_config.shutdown_timeout_s)
 
@@ -183,7 +189,7 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: soc
     # Drained and closed. A further SIGTERM (a supervisor repeating itself) must not turn this
     # clean exit into a death by signal: Python resets handlers to the default while it
     # finalises, but leaves SIG_IGN in place.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     return 0 if server.started else 1
 
