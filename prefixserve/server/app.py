@@ -115,7 +115,7 @@ def create_app(
     app.add_middleware(RequestCounter, metrics=metrics)
     if server_config.allowed_origins:  # outermost: a browser's preflight carries no key and is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(server_config.allowed_origins),
-                           allow_methods=["GET", "POST", "DELETE", "HEAD"], allow_headers=["*"], max_age=600)
+                           allow_methods=["GET", "POST", "DELETE", "HEAD"], allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
 
     # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -407,6 +407,7 @@ def test_browser_pages_of_allowed_origins_may_call_the_api(make_client: Any) -> 
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
     r = allowed.post("/v1/completions", json=body, headers={**page, **auth()})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    assert r.headers["x-request-id"].startswith("req_") and "x-request-id" in r.headers["access-control-expose-headers"]
     r = allowed.post("/v1/completions", json=body, headers=page)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
     other = {"Origin": "https://evil.example"}
