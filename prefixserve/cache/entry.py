@@ -111,3 +111,4 @@ class FlushResult:
 
     num_entries: int = 0
     num_bytes: int = 0
+    complete: bool = True  # False: the tier did not answer (Redis down), its entries of the scope may remain

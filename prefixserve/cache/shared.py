@@ -24,6 +24,7 @@ from prefixserve.cache.shared_keys import (
     MAC_BYTES,
     MARK_TOKENS,
     add,
+    key_space,
     mac,
     marker_keys,
     ns_prefix,
@@ -62,6 +63,7 @@ class SharedTier(WriteBehind):
         self.config = config
         self.fingerprint = fingerprint
         self.runtime = runtime
+        self.space = key_space(config.prefix, config.secret, fingerprint, runtime)  # cache/shared_keys.py
         self._codec = codec
         self._link = Link(config.url, config.timeout_s)
         self._redis = self._link.client
@@ -101,7 +103,8 @@ class SharedTier(WriteBehind):
     def flush(self, scope: FlushScope) -> FlushResult:
         """Delete every value (and length index) of the namespaces `scope` selects, of every model, by
         SCAN over their key prefix; queued writes of them are dropped and one in flight is deleted when
-        it lands. Redis unreachable: nothing deleted there (logged, counted in `redis_errors`)."""
+        it lands. Tried even in a back-off. Redis unreachable or failing part way: what was deleted,
+        `complete` False (logged, counted in `redis_errors`)."""
         with self._lock:
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
@@ -109,7 +112,7 @@ class SharedTier(WriteBehind):
         pattern = scope_pattern(self.config.prefix, scope)
         num_entries = num_bytes = 0
 
-        def scan_delete() -> None:
+        def scan_delete() -> bool:
             nonlocal num_entries, num_bytes
             batch: list[bytes] = []
             for key in self._redis.scan_iter(match=pattern, count=1000):
@@ -118,11 +121,12 @@ class SharedTier(WriteBehind):
                     num_entries, num_bytes = add(delete_keys(self._redis, batch), (num_entries, num_bytes))
                     batch = []
             num_entries, num_bytes = add(delete_keys(self._redis, batch), (num_entries, num_bytes))
+            return True
 
-        self._link.call("flush", scan_delete, None)
+        complete = self._link.call("flush", scan_delete, False, force=True)
         with self._lock:
             self._c.num_flushed += num_entries
-        return FlushResult(num_entries, num_bytes)
+        return FlushResult(num_entries, num_bytes, complete)
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges as `redis_*` (docs/cache.md, "Metrics"). No namespace appears."""
@@ -152,7 +156,7 @@ class SharedTier(WriteBehind):
     # ---- keys and values (pure) -----------------------------------------------------------------
 
     def key(self, ns: Namespace, token_ids: Sequence[int]) -> str:
-        return f"{ns_prefix(self.config.prefix, ns)}:{token_digest(token_ids)}"
+        return f"{ns_prefix(self.space, ns)}:{token_digest(token_ids)}"
 
     def encode(self, key: str, header: FileHeader, payload: bytes) -> bytes:
         body = encode_file(header, payload)
@@ -164,7 +168,7 @@ class SharedTier(WriteBehind):
         t0 = time.monotonic()
         with self._lock:
             self._c.num_lookups += 1
-        base = ns_prefix(self.config.prefix, ns)
+        base = ns_prefix(self.space, ns)
         marks = range(MARK_TOKENS, len(prompt) + 1, MARK_TOKENS)
 
         def probe() -> list[Any]:  # one round trip: the length index and every marker on the prompt's path
@@ -271,14 +275,14 @@ class SharedTier(WriteBehind):
                             bool(state.has_logits), meta, len(payload), *snapshot_kind(state))
         value = self.encode(key, header, payload)
 
-        markers = marker_keys(self.config.prefix, ns, token_ids)
+        markers = marker_keys(self.space, ns, token_ids)
 
         def send() -> bool:
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(key, value)
             for marker in markers:  # this entry extends that prefix
                 pipe.set(marker, key)
-            pipe.zadd(ns_prefix(self.config.prefix, ns) + ":len", {str(len(token_ids)): len(token_ids)})
+            pipe.zadd(ns_prefix(self.space, ns) + ":len", {str(len(token_ids)): len(token_ids)})
             pipe.execute()
             return True
 
@@ -291,4 +295,4 @@ class SharedTier(WriteBehind):
             elif not sent:
                 self._c.num_dropped_writes += 1
         if sent and flushed:  # flushed while being written: what this write added goes
-            self._link.call("delete", lambda: unwrite(self._redis, key, markers, ns_prefix(self.config.prefix, ns) + ":len", len(token_ids)), None)
+            self._link.call("delete", lambda: unwrite(self._redis, key, markers, ns_prefix(self.space, ns) + ":len", len(token_ids)), None)

@@ -30,7 +30,7 @@ def flush(core: EngineCore, scope: FlushScope) -> FlushReport:
         tiers.append(TierFlush("disk", disk.num_entries, disk.num_bytes))
     if core.shared is not None:
         shared = core.shared.flush(scope)
-        tiers.append(TierFlush("redis", shared.num_entries, shared.num_bytes))
+        tiers.append(TierFlush("redis", shared.num_entries, shared.num_bytes, shared.complete))
     return FlushReport(tuple(tiers))
 
 

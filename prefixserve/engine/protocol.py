@@ -46,6 +46,7 @@ class TierFlush:
     tier: str  # "ram", "disk", "redis"
     num_entries: int
     num_bytes: int
+    complete: bool = True  # False: the tier did not answer; the scope's entries there may remain
 
 
 @dataclass(frozen=True, slots=True)

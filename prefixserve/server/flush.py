@@ -49,6 +49,14 @@ def flush_scope(principal: Principal, raw_body: bytes, query: Mapping[str, str])
 
 
 def flush_payload(scope: FlushScope, report: FlushReport) -> dict[str, Any]:
+    """The answer to a flush; a 503 (retry: a flush is idempotent) when a tier did not answer, whose
+    entries of the scope may remain there: a 200 would read as "forgotten everywhere"."""
+    missed = [t.tier for t in report.tiers if not t.complete]
+    if missed:
+        done = ", ".join(f"{t.tier} {t.num_entries}" for t in report.tiers if t.complete)
+        raise APIError(503, f"the {' and '.join(missed)} cache tier did not answer: entries of this scope may "
+                            f"remain there; retry the flush (entries forgotten elsewhere: {done})",
+                       code="flush_incomplete", headers={"Retry-After": "5"})
     return {
         "object": "cache.flush",
         "tenant": scope.tenant_id,  # None: every tenant

@@ -1,5 +1,5 @@
 """The shared (Redis) tier against a real redis-server, with a fake codec (no model): round trip,
-isolation, HMAC rejection of tampered / foreign values, another fingerprint never served, Redis
+isolation, HMAC rejection of tampered / moved values, another secret or fingerprint never read, Redis
 down or slow → miss and counted, back → hit, flush by namespace, with exact counts."""
 
 from __future__ import annotations
@@ -125,25 +125,34 @@ def test_tampered_value_is_dropped_and_counted(server: RedisServer, client: redi
     t.close()
 
 
-def test_another_secret_or_fingerprint_is_never_served(server: RedisServer, client: redis.Redis) -> None:
-    foreign = tier(server, secret=b"another-deployment-secret!!")
-    put(foreign, NS_A, SYS, b"f" * 100)  # the same key, signed under another secret
+def test_another_secret_or_fingerprint_is_never_served_nor_disturbed(server: RedisServer, client: redis.Redis) -> None:
+    """Replicas that cannot use each other's values (another secret: a typo, a rotation under way;
+    another model bytes, dtype, kernel or CPU class) keep to their own key spaces: each serves its own,
+    none reads, deletes or overwrites the other's (QA: a replica with a mistyped secret deleted every
+    value the others wrote, and its own were then deleted by them)."""
     t = tier(server)
-    got = get(t, NS_A, SYS + (1,))
-    assert isinstance(got, LoadFailed) and "HMAC" in got.reason
-    assert t.stats()["redis_rejected_values"] == 1
-
+    put(t, NS_A, SYS, b"m" * 100)
+    foreign = tier(server, secret=b"another-deployment-secret!!")
     other_dtype = tier(server, fingerprint="fp-2")  # same secret, another model bytes / dtype / kernel
-    put(other_dtype, NS_A, SYS, b"d" * 100)
+    for other, data in ((foreign, b"f"), (other_dtype, b"d")):
+        assert isinstance(get(other, NS_A, SYS + (1,)), LoadFailed)  # a miss: t's value is not theirs
+        put(other, NS_A, SYS, data * 100)
+        got = get(other, NS_A, SYS + (1,))
+        assert isinstance(got, Loaded) and got.state == Blob(data * 100)
+        assert other.stats()["redis_writes"] == 1
     got = get(t, NS_A, SYS + (1,))
-    assert isinstance(got, LoadFailed) and t.stats()["redis_stale_values"] == 1
-    assert client.exists(t.key(NS_A, SYS)) == 0
+    assert isinstance(got, Loaded) and got.state == Blob(b"m" * 100)
+    for x in (t, foreign, other_dtype):
+        s = x.stats()
+        assert (s["redis_rejected_values"], s["redis_stale_values"]) == (0, 0), s
+    assert foreign.flush(FlushScope("tenant-a")).num_entries == 3  # a tenant's flush reaches every space
+    assert isinstance(get(t, NS_A, SYS + (1,)), LoadFailed) and client.keys("*") == []
 
     # a value moved to another key (another tenant's) fails its MAC: the key is signed too
     put(t, NS_A, SYS, b"m" * 100)
     client.set(t.key(NS_B, SYS), client.get(t.key(NS_A, SYS)))
     client.zadd(t.key(NS_B, SYS).rsplit(":", 1)[0] + ":len", {"64": 64})
-    assert isinstance(get(t, NS_B, SYS + (1,)), LoadFailed) and t.stats()["redis_rejected_values"] == 2
+    assert isinstance(get(t, NS_B, SYS + (1,)), LoadFailed) and t.stats()["redis_rejected_values"] == 1
     for x in (foreign, other_dtype, t):
         x.close()
 
@@ -156,11 +165,13 @@ def test_redis_down_is_a_miss_counted_and_back_is_a_hit(server: RedisServer, cli
     assert isinstance(get(t, NS_A, SYS + (1,)), LoadFailed)  # connection refused: a miss
     assert get(t, NS_A, SYS + (1,)) is None  # in back-off: not even tried
     assert not t.offer(NS_A, SYS + (5,), Blob(b"y"))  # writes are dropped, never queued
-    assert t.flush(FlushScope("tenant-a")).num_entries == 0  # nothing reachable to delete
+    flushed = t.flush(FlushScope("tenant-a"))  # tried even in the back-off, and said to be incomplete
+    assert (flushed.num_entries, flushed.complete) == (0, False)
     assert time.monotonic() - t0 < 2.0
     s = t.stats()
     assert s["redis_up"] == 0 and s["redis_errors"] >= 1 and s["redis_dropped_writes"] == 1
     server.start()  # an empty Redis (no persistence): the tier is used again after its back-off
+    assert t.flush(FlushScope("tenant-b")).complete  # a flush does not wait for the back-off to end
     deadline = time.monotonic() + 10
     while not t.offer(NS_A, SYS, Blob(b"x" * 100)):
         assert time.monotonic() < deadline

@@ -89,6 +89,7 @@ class FakeEngine:
         self.requests: list[Request] = []
         self.events: dict[str, list[str]] = {}
         self.shutdown_calls: list[bool] = []
+        self.redis_down = False  # set: flushes report a shared tier that did not answer
         self.fail_with: str | None = None  # set: every request's final delta is an ERROR with this text
         self.fail_after = 0  # with fail_with: the tokens each choice streams before its ERROR
         self._cache: dict[Namespace, list[tuple[int, ...]]] = {}
@@ -173,7 +174,8 @@ class FakeEngine:
         """Forget the selected namespaces' prompts (100 bytes each, as `metrics` counts them)."""
         gone = [ns for ns in self._cache if scope.selects(ns)]
         num = sum(len(self._cache.pop(ns)) for ns in gone)
-        return FlushReport((TierFlush("ram", num, num * 100),))
+        redis = (TierFlush("redis", 0, 0, complete=False),) if self.redis_down else ()
+        return FlushReport((TierFlush("ram", num, num * 100), *redis))
 
     def _lookup(self, ns: Namespace, ids: tuple[int, ...]) -> int:
         best = 0

@@ -44,6 +44,20 @@ def test_tenant_flushes_only_its_own_namespaces(client: TestClient) -> None:
     assert cached_tokens(client, KEY_B) == len(PROMPT) - 1  # bob's entry untouched
 
 
+def test_a_flush_a_tier_did_not_answer_is_a_503_to_retry(client: TestClient, engine: Any) -> None:
+    """QA: with Redis down or stalled the flush answered 200 with 0 deleted there, which reads as
+    "nothing to forget" while the tenant's values stayed in Redis for any replica to serve."""
+    seed(client)
+    engine.redis_down = True
+    r = flush(client, KEY_A)
+    assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+    err = r.json()["error"]
+    assert err["code"] == "flush_incomplete" and "redis" in err["message"] and "ram 2" in err["message"]
+    assert cached_tokens(client, KEY_A) == 0  # what answered forgot
+    engine.redis_down = False
+    assert flush(client, KEY_A).status_code == 200  # the retry
+
+
 def test_salt_flushes_only_that_salt(client: TestClient) -> None:
     seed(client)
     r = flush(client, KEY_A, json={"cache_salt": "s1"})
