@@ -103,8 +103,8 @@ class SharedTier(WriteBehind):
     def flush(self, scope: FlushScope) -> FlushResult:
         """Delete every value (and length index) of the namespaces `scope` selects, of every model, by
         SCAN over their key prefix; queued writes of them are dropped and one in flight is deleted when
-        it lands. Tried even in a back-off. Redis unreachable or failing part way: what was deleted,
-        `complete` False (logged, counted in `redis_errors`)."""
+        it lands. Redis in a back-off (not tried: a flush must not stall the engine thread a socket
+        timeout each), unreachable or failing part way: what was deleted, `complete` False."""
         with self._lock:
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
@@ -123,7 +123,7 @@ class SharedTier(WriteBehind):
             num_entries, num_bytes = add(delete_keys(self._redis, batch), (num_entries, num_bytes))
             return True
 
-        complete = self._link.call("flush", scan_delete, False, force=True)
+        complete = self._link.call("flush", scan_delete, False)
         with self._lock:
             self._c.num_flushed += num_entries
         return FlushResult(num_entries, num_bytes, complete)

@@ -45,10 +45,9 @@ class Link:
         """False during a back-off: the caller skips Redis without waiting."""
         return self._backoff_s == 0 or time.monotonic() >= self._down_until
 
-    def call(self, what: str, fn: Callable[[], T], default: T, force: bool = False) -> T:
-        """`fn()` (which talks to `self.client`), or `default` in a back-off (unless `force`: a call that
-        must not be skipped, a flush) or when it fails."""
-        if not force and not self.available():
+    def call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """`fn()` (which talks to `self.client`), or `default` in a back-off or when it fails."""
+        if not self.available():
             return default
         try:
             result = fn()
