@@ -85,12 +85,15 @@ def finish_reason(reply: ParsedReply, reason: str) -> str:
 
 class ToolCallStream:
     """Streaming side of `parse_tool_calls`: text is passed on as content until a call may start;
-    from the first ``<tool_call>`` on it is held and parsed when the choice finishes."""
+    from the first ``<tool_call>`` on it is held and parsed when the choice finishes. Trailing
+    whitespace is held too, so that a reply with calls streams the content `parse_tool_calls`
+    returns (stripped) but for whitespace it opened with, which was shown before any call was."""
 
     def __init__(self, setup: ToolSetup) -> None:
         self._setup = setup
-        self._held = ""  # text not yet passed on (a possible tag start, or everything after a tag)
+        self._held = ""  # text not yet passed on (trailing whitespace, a possible tag start, everything after a tag)
         self._in_call = False
+        self._shown = False  # some content was passed on
 
     def feed(self, text: str) -> str:
         """Content safe to stream now."""
@@ -99,17 +102,20 @@ class ToolCallStream:
             return ""
         if (i := self._held.find(OPEN)) != -1:
             self._in_call = True
-            out, self._held = self._held[:i], self._held[i:]
-            return out
-        keep = _partial_tag_len(self._held)
-        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+            body = self._held[:i]
+        else:
+            body = self._held[: len(self._held) - _partial_tag_len(self._held)]
+        out = body.rstrip()
+        self._held = self._held[len(out):]
+        self._shown = self._shown or bool(out)
         return out
 
     def finish(self, cut: bool = False) -> ParsedReply:
-        """The rest: content not yet streamed (None if none; whitespace kept, so that the streamed
-        content is the non-streamed one up to surrounding whitespace) and the calls (`cut`: as
-        `parse_tool_calls`)."""
+        """The rest: content not yet streamed (None if none) and the calls (`cut`: as `parse_tool_calls`).
+        With calls, stripped as `parse_tool_calls` strips the whole content."""
         content, calls = _split(self._held, self._setup, cut)
+        if calls:
+            content = content.rstrip() if self._shown else content.strip()
         return ParsedReply((content if calls or cut else self._held) or None, calls)
 
 

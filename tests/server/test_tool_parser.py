@@ -63,15 +63,35 @@ def test_invalid_json_unknown_names_and_bad_arguments_stay_content() -> None:
 
 def test_stream_passes_text_until_a_tag_may_start() -> None:
     s = ToolCallStream(SETUP)
-    assert s.feed("Hello <tool") == "Hello "  # "<tool" may start a tag: held
-    assert s.feed("box> x") == "<toolbox> x"
-    assert s.feed(' <tool_call>{"name": "add", ') == " "
+    assert s.feed("Hello <tool") == "Hello"  # "<tool" may start a tag, and the space may end the content: held
+    assert s.feed("box> x") == " <toolbox> x"
+    assert s.feed(' <tool_call>{"name": "add", ') == ""
     assert s.feed('"arguments": {}}</tool_call>') == ""
     r = s.finish()
     assert r.content is None and [c.name for c in r.calls] == ["add"]
     s = ToolCallStream(SETUP)
-    assert s.feed("no calls <tool_c") == "no calls "
-    assert s.finish().content == "<tool_c" and s.finish().calls == ()
+    assert s.feed("no calls <tool_c") == "no calls"
+    assert s.finish().content == " <tool_c" and s.finish().calls == ()
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.\n\n<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "Berlin"}\n<tool_call>{"name": "add", "arguments": {}}</tool_call>\n',  # QA's reply
+    '\n<tool_call>{bad}</tool_call>\n \n<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+    'A <tool_call>{"name": "add", "arguments": {}}</tool_call> then B \n',
+    "no calls at all \n\n",
+    "  \n",
+])
+def test_streamed_content_is_the_non_streamed_one(text: str) -> None:
+    """Token by token or in one piece, the content shown is what `parse_tool_calls` returns (QA: a
+    malformed call before a good one streamed a trailing newline the non-streamed reply strips)."""
+    for pieces in ([text], list(text)):
+        s = ToolCallStream(SETUP)
+        shown = "".join(s.feed(p) for p in pieces)
+        rest = s.finish()
+        whole = parse_tool_calls(text, SETUP)
+        assert (shown + (rest.content or "") or None) == whole.content
+        assert [(c.name, c.arguments) for c in rest.calls] == [(c.name, c.arguments) for c in whole.calls]
 
 
 def test_forced_grammar_compiles_and_history_round_trips() -> None:
