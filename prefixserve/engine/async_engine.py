@@ -116,13 +116,14 @@ class AsyncEngine:
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty")
-        if n >= self.max_model_len:
+        generating = int(request.sampling.max_tokens > 0)  # 0: the prompt alone, scored (completions' echo)
+        if n + generating > self.max_model_len:
             raise PromptTooLong(
-                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens "
-                "(including at least one generated token)"
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens"
+                + (" (including at least one generated token)" if generating else "")
             )
         budget = self.core.config.max_session_bytes
-        if n + 1 > self.max_session_tokens:  # budget-bound: the context's bound was checked above
+        if n + generating > self.max_session_tokens:  # budget-bound: the context's bound was checked above
             raise InvalidRequest(
                 f"the prompt alone ({n} tokens) exceeds the server's session budget: {budget:,} bytes hold "
                 f"{self.max_session_tokens} tokens of KV, including at least one generated token; shorten the prompt"

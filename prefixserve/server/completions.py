@@ -59,7 +59,7 @@ def prepare_completion(
     given = given_prompts(body.prompt)
     prompts = [prompt_token_ids(p, engine, keyed) for p in given]
     for ids in prompts:
-        check_fits(len(ids), engine.max_model_len)
+        check_fits(len(ids), engine.max_model_len, scoring=bool(body.echo) and body.max_tokens == 0)
     if len(prompts) > 1 and best_of > n:
         raise bad_request("best_of > n needs a single prompt", "best_of")
     prompt_ids = prompts[0]
@@ -150,12 +150,14 @@ def check_chars(num_chars: int, max_model_len: int, param: str) -> None:
         )
 
 
-def check_fits(prompt_len: int, max_model_len: int) -> None:
-    """The prompt plus at least one generated token must fit the context (the engine checks it too)."""
-    if prompt_len + 1 > max_model_len:
+def check_fits(prompt_len: int, max_model_len: int, scoring: bool = False) -> None:
+    """The prompt plus at least one generated token must fit the context (the engine checks it too);
+    `scoring` (echo with max_tokens 0: nothing is generated) the prompt alone, as evaluation harnesses
+    send windows of exactly the context's length."""
+    if prompt_len + (0 if scoring else 1) > max_model_len:
         raise bad_request(
-            f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens "
-            "including at least one generated token",
+            f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens"
+            + ("" if scoring else " including at least one generated token"),
             "prompt",
             "context_length_exceeded",
         )

@@ -101,7 +101,7 @@ def sampling_params(
     is then the engine's 400 naming the prompt alone. `zero_tokens_ok`:
     max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid.
     `max_tokens_name`: the field the client set it with (chat's max_completion_tokens), for errors."""
-    room = max_model_len - prompt_len  # >= 1: the caller checked the prompt fits (check_fits)
+    room = max_model_len - prompt_len  # >= 1 (0 scoring a prompt alone): the caller checked it fits (check_fits)
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, room, max_session_tokens - prompt_len))
     elif max_tokens < (0 if zero_tokens_ok else 1):

@@ -14,7 +14,15 @@ import torch
 
 from prefixserve.engine import AsyncEngine
 from prefixserve.runner import ModelRunner, StepItem, scored_logprobs, token_logprob
-from prefixserve.types import Delta, FinishReason, Namespace, Request, SamplingParams, TokenLogprob
+from prefixserve.types import (
+    Delta,
+    FinishReason,
+    Namespace,
+    PromptTooLong,
+    Request,
+    SamplingParams,
+    TokenLogprob,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -110,3 +118,29 @@ def test_each_choice_gets_the_prompt_logprobs_before_its_tokens(engine: AsyncEng
         assert sum(len(d.token_ids) for d in mine) == 3
     plain = run(engine, ids, SamplingParams(max_tokens=3, temperature=1.0, seed=3, num_logprobs=0, ignore_eos=True))
     assert [t for d in plain for t in d.token_ids] == [t for d in deltas if d.index == 0 for t in d.token_ids]
+
+
+def test_a_prompt_as_long_as_the_context_is_scored_when_nothing_is_generated() -> None:
+    """Evaluation harnesses score windows of exactly the context's length (echo, max_tokens 0): that
+    fits, scored as any prompt; one token more, or any generation, does not."""
+    from prefixserve.cache import PrefixCache
+    from prefixserve.config import CacheConfig, EngineConfig
+    from prefixserve.engine import EngineCore
+    from tests.conftest import load_embedded
+
+    model, runner = load_embedded("int4")
+    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 28)),
+                      EngineConfig(prefill_chunk_tokens=128, max_batch_tokens=256), 192, lambda r, d: None)
+    engine = AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
+    try:
+        ids = prompt_ids(192, runner.decoder.arch.vocab_size, 7)
+        deltas = run(engine, ids, SamplingParams(max_tokens=0, prompt_logprobs=TOP))
+        [entries] = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+        assert entries == tuple(scored(runner, ids, [128]))
+        usage = deltas[-1].usage
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (192, 0)
+        for too_long, sp in ((ids, SamplingParams(max_tokens=1)), ([*ids, 5], SamplingParams(max_tokens=0))):
+            with pytest.raises(PromptTooLong):
+                run(engine, too_long, sp)
+    finally:
+        asyncio.run(engine.shutdown())

@@ -99,7 +99,7 @@ class FakeEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
         ids = request.prompt_ids
-        if len(ids) + 1 > self.max_model_len:
+        if len(ids) + int(request.sampling.max_tokens > 0) > self.max_model_len:  # as AsyncEngine.validate
             raise PromptTooLong(f"prompt of {len(ids)} tokens does not fit {self.max_model_len}")
         if len(ids) + request.sampling.max_tokens > self.max_session_tokens:  # as AsyncEngine.validate
             raise InvalidRequest(f"{len(ids)} + {request.sampling.max_tokens} tokens exceed the session budget")

@@ -102,6 +102,16 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(client: TestClient) -> None:
     assert "".join(c["text"] for c in chunks) == "abc" and chunks[-1]["finish_reason"] == "length"
 
 
+def test_echo_scores_a_prompt_as_long_as_the_context(client: TestClient, engine: FakeEngine) -> None:
+    """Evaluation harnesses score windows of exactly the context's length (echo, max_tokens 0)."""
+    whole = [5 + k % 200 for k in range(engine.max_model_len)]
+    r = client.post(C, json={"prompt": whole, "max_tokens": 0, "echo": True, "logprobs": 0}, headers=auth())
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == engine.max_model_len, r.text
+    for body in ({"prompt": whole, "max_tokens": 1, "echo": True}, {"prompt": [*whole, 5], "max_tokens": 0, "echo": True}):
+        r = client.post(C, json=body, headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
 def test_best_of_returns_n_choices(client: TestClient) -> None:
     r = client.post(C, json={"prompt": "ab", "max_tokens": 2, "n": 2, "best_of": 4}, headers=auth())
     body = r.json()
