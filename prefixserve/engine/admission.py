@@ -4,10 +4,15 @@
 A request waits in two places before it runs: the inbox (handed over by the event loop; the engine
 thread takes it in between two steps, so arrivals during a prefill step of seconds stay there) and the
 core's queue. It is *waiting* in either. It is *queued* only if the next admission would not start it:
-admission (EngineCore._admit) starts requests in order while a session slot is free (`max_num_seqs`)
-and the prompt + max_tokens of KV fits the session bytes left (any size while nothing runs), and stops
-at the first that does not fit, so every one behind it waits too. `--max-queued-requests` bounds the
-queued ones: a burst that free slots will take at the next step is never refused.
+admission (EngineCore._admit) starts requests in `FairShare` order while a session slot is free
+(`max_num_seqs`) and the prompt + max_tokens of KV fits the session bytes left (any size while nothing
+runs), and stops at the first that does not fit, so every one behind it waits too. `--max-queued-requests`
+bounds the queued ones: a burst that free slots will take at the next step is never refused.
+
+The order is fair between tenants: the next to start is the oldest request of the tenant with the
+fewest sessions running, the one that started one least recently among equals. A tenant's burst
+cannot hold another tenant's request back behind all of it; one tenant alone is served first come,
+first served.
 
 Race-free: the engine thread publishes the core's room whole (`Room`, immutable) after each change,
 and takes a request from the inbox into the core under the same lock that counts the inbox; the event
@@ -18,8 +23,8 @@ the step: the step's own admissions were counted as starting, its finishes free 
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +53,48 @@ class Room:
 class Counts:
     num_waiting: int  # requests not started yet: in the core's queue or the inbox
     num_queued: int  # of those, the ones the next admission would not start (`--max-queued-requests` bounds them)
+
+
+class FairShare:
+    """The order in which waiting sessions start (the module docstring). Engine thread only."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}  # tenant -> the clock when one of its sessions last started
+        self._clock = 0
+
+    def order(self, running: Sequence[Session], waiting: Sequence[Session]) -> list[Session]:
+        """`waiting` in the order admission tries them: those back from a lower tier's load first (they
+        hold their reservation), then one at a time from the tenant with the fewest running, least
+        recently started, oldest first."""
+        if len(self._last) > 4096:  # remember only the tenants still here
+            here = {s.request.namespace.tenant_id for s in (*running, *waiting)}
+            self._last = {t: c for t, c in self._last.items() if t in here}
+        first: list[Session] = []
+        queues: dict[str, deque[Session]] = {}
+        for s in waiting:
+            if s.reserved_bytes:
+                first.append(s)
+            else:
+                queues.setdefault(s.request.namespace.tenant_id, deque()).append(s)
+        if len(queues) == 1:
+            return [*first, *next(iter(queues.values()))]
+        busy = Counter(s.request.namespace.tenant_id for s in running)
+        last = {t: self._last.get(t, 0) for t in queues}
+        out = first
+        clock = self._clock
+        while queues:
+            tenant = min(queues, key=lambda t: (busy[t], last[t]))  # ties: dict order, the oldest head first
+            out.append(queues[tenant].popleft())
+            if not queues[tenant]:
+                del queues[tenant]
+            busy[tenant] += 1
+            clock += 1
+            last[tenant] = clock
+        return out
+
+    def started(self, s: Session) -> None:
+        self._clock += 1
+        self._last[s.request.namespace.tenant_id] = self._clock
 
 
 def follows(core: EngineCore, s: Session) -> bool:
@@ -89,7 +136,7 @@ def room(core: EngineCore) -> Room:
         num_free_bytes=core.config.max_session_bytes - core._reserved_bytes,
         # back from a lower tier's load (engine/disk_loads.py), a request holds its reservation already
         waiting_bytes=tuple(kv_bytes_needed(s.request, core.max_model_len, per_token) - s.reserved_bytes
-                            for s in core.waiting),
+                            for s in core.fair.order(core.running, core.waiting)),
     )
 
 

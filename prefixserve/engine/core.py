@@ -86,7 +86,8 @@ class EngineCore:
         self.max_session_tokens = min(max_model_len, session_tokens(config.max_session_bytes, runner.kv_bytes_per_token()))
         self.emit = emit
         self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
-        self.waiting: deque[Session] = deque()
+        self.waiting: deque[Session] = deque()  # in arrival order; started in admission.FairShare's
+        self.fair = admission.FairShare()
         self.running: list[Session] = []
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
@@ -263,23 +264,22 @@ class EngineCore:
     def _admit(self) -> None:
         if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
             self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
-        held: list[Session] = []  # waiting for a prompt under way that will serve them (admission.follows)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            s = self.waiting[0]  # back from a lower tier's load, it holds its reservation already
-            if admission.follows(self, s):
-                held.append(self.waiting.popleft())
+        for s in self.fair.order(self.running, self.waiting):  # fair between tenants (admission.FairShare)
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if admission.follows(self, s):  # waits, in its place, for a prompt under way that will serve it
                 continue
             need = kv_bytes_needed(s.request, self.max_model_len, self.runner.kv_bytes_per_token()) - s.reserved_bytes
             if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
                 break  # waits until running sessions finish and free their share
-            self.waiting.popleft()
+            self.waiting.remove(s)
+            self.fair.started(s)
             s.reserved_bytes += need
             self._reserved_bytes += need
             if self._reuses(s.request) and self.loads.park(s):
                 continue
             self.running.append(s)
             self._start(s)
-        self.waiting.extendleft(reversed(held))  # their places in the queue
         # pooled buffers (runner/state.py KVPool) and the admitted sessions' KV share the session
         # budget: the server's memory bound (README, "Under pressure") holds with the pool full
         self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
 
@@ -107,6 +108,62 @@ def test_a_burst_during_a_step_is_not_refused_while_session_slots_are_free() -> 
 
     finals = asyncio.run(go())
     assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in finals)
+
+
+def test_the_next_to_start_is_the_oldest_of_the_tenant_least_served() -> None:
+    """FairShare: one tenant alone is first come, first served; between tenants the one with the
+    fewest running goes first, among equals the one that started one least recently."""
+    from types import SimpleNamespace
+
+    from prefixserve.engine.admission import FairShare
+
+    def session(tenant: str, k: int) -> Any:  # what FairShare reads of a Session
+        return SimpleNamespace(request=Request(f"{tenant}{k}", Namespace("smol", tenant), (1, 2, 3),
+                                               SamplingParams(max_tokens=1)), reserved_bytes=0)
+
+    fair = FairShare()
+    a = [session("a", k) for k in range(4)]
+    b, c = session("b", 0), session("c", 0)
+    assert fair.order([], a) == a
+    names = lambda xs: [x.request.request_id for x in xs]  # noqa: E731
+    assert names(fair.order([], [*a, b, c])) == ["a0", "b0", "c0", "a1", "a2", "a3"]
+    assert names(fair.order(a[:2], [*a[2:], b])) == ["b0", "a2", "a3"]  # a runs two: b first
+    fair.started(a[0])
+    assert names(fair.order([], [*a[1:], b])) == ["b0", "a1", "a2", "a3"]  # equals: a started last
+    fair.started(b)
+    assert names(fair.order([], [*a[1:], c])) == ["c0", "a1", "a2", "a3"]  # c never started
+    back = session("a", 9)
+    back.reserved_bytes = 1  # back from a lower tier's load: it holds its reservation, and goes first
+    assert names(fair.order([], [b, c, back])) == ["a9", "c0", "b0"]
+
+
+@pytest.mark.slow
+def test_a_tenants_burst_does_not_hold_another_tenants_request_behind_it() -> None:
+    """One session slot, tenant a's four requests queued before tenant b's one: b's starts second,
+    not fifth (it waited behind all of a's before)."""
+    engine = make_engine(max_num_seqs=1)
+    started: list[str] = []
+
+    async def run(req: Request) -> None:
+        async for d in engine.generate(req):
+            if d.token_ids and req.request_id not in started:
+                started.append(req.request_id)
+
+    async def go() -> None:
+        engine._core_lock.acquire()  # all five in the queue before the engine takes any
+        try:
+            reqs = [Request(f"a{k}", Namespace("smol", "a"), tuple(prompt(k)),
+                            SamplingParams(max_tokens=3, temperature=0.0)) for k in range(4)]
+            reqs.append(Request("b0", Namespace("smol", "b"), tuple(prompt(9)), SamplingParams(max_tokens=3, temperature=0.0)))
+            tasks = [asyncio.ensure_future(run(r)) for r in reqs]
+            await asyncio.sleep(0.1)
+        finally:
+            engine._core_lock.release()
+        await asyncio.gather(*tasks)
+        await engine.shutdown()
+
+    asyncio.run(go())
+    assert started == ["a0", "b0", "a1", "a2", "a3"]
 
 
 @pytest.mark.slow
