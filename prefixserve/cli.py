@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        # before the heavy imports: a SIGHUP (logrotate's, an operator's) must never kill a starting
+        # server; once it serves, SIGHUP reads the API keys again (server/auth.py, `reload_keys`)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # before the heavy imports (prefixserve/cli.py says why)
 
 from prefixserve.server.run import run_serve
 from prefixserve.server.settings import add_serve_args

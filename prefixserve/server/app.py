@@ -94,6 +94,8 @@ def create_app(
             hup = True
         except (RuntimeError, ValueError, NotImplementedError):  # not the main thread (an app under test)
             hup = False
+        if keys_source is not None:  # a key changed (or a SIGHUP ignored) while the model loaded applies now
+            reload_keys(keys, keys_source, "start")
         try:
             yield
         finally:
@@ -112,10 +114,11 @@ def create_app(
     app.state.endings = Endings()  # for the bounded shutdown (server/shutdown.py)
     # inside RequestCounter, so the last word the shutdown writes for a request is counted and logged
     app.add_middleware(EndingsMiddleware, endings=app.state.endings)
-    app.add_middleware(RequestCounter, metrics=metrics)
-    if server_config.allowed_origins:  # outermost: a browser's preflight carries no key and is answered here
+    if server_config.allowed_origins:  # before any route: a browser's preflight carries no key and is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(server_config.allowed_origins),
-                           allow_methods=["GET", "POST", "DELETE", "HEAD"], allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
+                           allow_methods=["GET", "POST", "DELETE", "HEAD"], allow_headers=["*"],
+                           expose_headers=["x-request-id", "retry-after"], max_age=600)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: preflights are counted, logged and named too
 
     # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -264,6 +267,7 @@ def create_app(
             tenant_id=prepared.tenant_id,
             model=engine.model_id,
             prompt_len=len(prepared.request.prompt_ids),
+            http_id=request.scope.get("state", {}).get("request_id", ""),
         )
         return await respond(engine, prepared, request, tracker)
 

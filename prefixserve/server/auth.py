@@ -59,7 +59,7 @@ class KeyStore:
                 raise ValueError("an API key must not be empty")
             digest = _digest(key)
             if digest in seen:
-                raise ValueError(f"API key for tenant {tenant_id!r} is listed twice")
+                raise ValueError(f"an API key is listed twice (the second time for tenant {tenant_id!r})")
             seen.add(digest)
             keys.append(_KeyEntry(digest, tenant_id))
         if any(_digest(k.tenant_id) in seen for k in keys):
@@ -71,6 +71,22 @@ class KeyStore:
     def replace(self, other: KeyStore) -> None:
         """From now on, `other`'s keys and admin key."""
         self._state = other._state
+
+    def changes(self, other: KeyStore) -> str:
+        """What `other` changes, for the log: tenants added, removed, and given other keys (no key)."""
+        def by_tenant(store: KeyStore) -> dict[str, set[bytes]]:
+            out: dict[str, set[bytes]] = {}
+            for k in store._state[0]:
+                out.setdefault(k.tenant_id, set()).add(k.digest)
+            return out
+
+        old, new = by_tenant(self), by_tenant(other)
+        parts = [f"{what}: {', '.join(sorted(names))}" for what, names in (
+            ("added", new.keys() - old.keys()), ("removed", old.keys() - new.keys()),
+            ("new keys for", {t for t in old.keys() & new.keys() if old[t] != new[t]})) if names]
+        if self._state[1] != other._state[1]:
+            parts.append("admin key changed")
+        return "; ".join(parts) or "no change"
 
     @classmethod
     def from_specs(cls, specs: Iterable[str], admin_key: str | None = None) -> KeyStore:
@@ -123,23 +139,29 @@ class KeyStore:
 _INLINE_COMMENT = re.compile(r"\s#(?:\s|$)")
 
 
-def reload_keys(keys: KeyStore, source: Callable[[], KeyStore] | None) -> None:
+def reload_keys(keys: KeyStore, source: Callable[[], KeyStore] | None, why: str = "SIGHUP") -> None:
     """SIGHUP's handler: `keys` become what `source` reads (the key flags and --api-keys-file read
-    again). A source that fails (a missing file, a bad line, no key left) changes nothing, and says why."""
+    again). A source that fails (a missing file, a bad line, no key left) changes nothing, and says why.
+    `why` "start": the read once the model has loaded (a change made, or a SIGHUP sent, while it
+    loaded applies; logged only when something changed)."""
     if source is None:
-        logger.warning("SIGHUP: no --api-keys-file to read again; the API keys are unchanged")
+        logger.warning("%s: no --api-keys-file to read again; the API keys are unchanged", why)
         return
     try:
         new = source()
     except (OSError, ValueError) as e:
-        logger.error("SIGHUP: the API keys are unchanged: %s", e)
+        logger.error("%s: the API keys are unchanged: %s", why, e)
         return
+    changes = keys.changes(new)
     keys.replace(new)
-    logger.info("SIGHUP: API keys read again: %d tenant(s)", new.num_tenants)
+    if why != "start" or changes != "no change":
+        logger.info("%s: API keys read again: %d tenant(s); %s", why, new.num_tenants, changes)
 
 
 def parse_key_spec(spec: str) -> tuple[str, str]:
     """'KEY' -> (key-<sha256[:12]>, KEY); 'TENANT KEY' -> (TENANT, KEY). Raises ValueError."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in spec.replace("\t", " ")):
+        raise ValueError("an API key spec must not hold control characters")
     parts = spec.split()
     if len(parts) == 1:
         return key_tenant_id(parts[0]), parts[0]
@@ -155,9 +177,16 @@ def read_keys_file(path: str | Path) -> list[str]:
     """Key specs from a file: one per line, blank lines skipped. A comment is a line starting with
     '#', or ' # ...' after a spec ('#' after whitespace and before whitespace or the end): a '#' inside
     a key (`pass#word`, `#abc`) is part of it. A file with no key is an error: it must not leave the
-    server open by accident (an emptied or commented-out secrets file)."""
+    server open by accident (an emptied or commented-out secrets file). A UTF-8 byte-order mark
+    (Windows editors write one) is not part of the first key; a key listed twice is an error naming
+    both lines."""
     specs: list[str] = []
-    for lineno, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    seen: dict[str, int] = {}
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if line.startswith("#"):
             continue
@@ -165,12 +194,15 @@ def read_keys_file(path: str | Path) -> list[str]:
         if not line:
             continue
         try:
-            parse_key_spec(line)
+            key = parse_key_spec(line)[1]
         except ValueError as e:
             raise ValueError(f"{path}:{lineno}: {e}") from None
+        if key in seen:
+            raise ValueError(f"{path}:{lineno}: the key of line {seen[key]} again (each key is one tenant's)")
+        seen[key] = lineno
         specs.append(line)
     if not specs:
-        raise ValueError(f"{path}: no API keys in the file (it would leave the server open)")
+        raise ValueError(f"{path}: no API keys in the file (an emptied secrets file must not open the server)")
     return specs
 
 

@@ -3,7 +3,7 @@ writing the access log line. Pure ASGI (not BaseHTTPMiddleware) so that streamin
 disconnect detection pass through untouched.
 
 Every response carries `x-request-id` (as OpenAI's do): the client's own `X-Request-Id` where it sent
-a usable one (1-128 of A-Z a-z 0-9 and ``-_.:@/+=``; a gateway's id, so its logs and ours meet), else
+a usable one (1-128 of A-Z a-z 0-9 and ``-_.:;@/+=``; a gateway's id, so its logs and ours meet), else
 a new `req_<32 hex>`. The access line has uvicorn's fields (client, request line, status) and that id,
 on the logger `prefixserve.access`, written when the response has ended. uvicorn wrote its own before the
 response's first bytes: that cost ~0.3 ms of every request's time to first token (a formatted line
@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixserve.server.metrics import ServerMetrics, endpoint_label
 
 access_log = logging.getLogger("prefixserve.access")
-_GIVEN_ID = re.compile(rb"[A-Za-z0-9_.:@/+=-]{1,128}")
+_GIVEN_ID = re.compile(rb"[A-Za-z0-9_.:;@/+=-]{1,128}")  # AWS's Root=...;Parent=... ids too
 
 
 class RequestCounter:
@@ -37,6 +37,7 @@ class RequestCounter:
             return
         status = 500  # an exception escaping the app becomes a 500 further out
         request_id = request_id_of(scope)
+        scope.setdefault("state", {})["request_id"] = request_id.decode("ascii")  # for the app's log lines
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
@@ -50,8 +51,9 @@ class RequestCounter:
         finally:
             self.metrics.requests.labels(endpoint_label(scope["path"]), f"{status // 100}xx").inc()
             if access_log.isEnabledFor(logging.INFO):
-                access_log.info('%s - "%s %s HTTP/%s" %d %s %s', *_access_fields(scope), status, _phrase(status),
-                                request_id.decode("ascii"))
+                phrase = _phrase(status)
+                access_log.info('%s - "%s %s HTTP/%s" %d %s%s', *_access_fields(scope), status,
+                                phrase + " " if phrase else "", request_id.decode("ascii"))
 
 
 def request_id_of(scope: Scope) -> bytes:

@@ -215,7 +215,7 @@ def read_secret_file(path: str) -> bytes:
     that cannot be read or holds under 16 bytes is a ValueError naming the flag and the path: a
     bare OSError would name neither, and a short secret would blame --cache-redis-key."""
     try:
-        secret = Path(path).read_bytes().strip()
+        secret = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").strip()  # an editor's byte-order mark is no part of it
     except OSError as e:
         raise ValueError(f"--cache-redis-key-file {path}: cannot read it: {e.strerror or e}") from None
     if len(secret) < SHARED_SECRET_MIN_BYTES:

@@ -53,9 +53,11 @@ def parse_seconds(text: str) -> float:
 def parse_origins(text: str) -> tuple[str, ...]:
     """'https://a.example,https://b.example' or '*' -> the origins; each scheme://host[:port], no path."""
     origins = tuple(dict.fromkeys(part.strip().rstrip("/") for part in text.split(",") if part.strip()))
+    if "*" in origins and len(origins) > 1:
+        raise argparse.ArgumentTypeError("'*' (any origin) stands alone: it would make the others meaningless")
     for origin in origins:
-        if origin != "*" and not re.fullmatch(r"https?://[^/?#\s]+", origin):
-            raise argparse.ArgumentTypeError(f"not an origin (scheme://host[:port], or '*'): {origin!r}")
+        if origin != "*" and not re.fullmatch(r"https?://[^/?#\s*]+", origin):
+            raise argparse.ArgumentTypeError(f"not an origin (scheme://host[:port], no wildcards, or '*' alone): {origin!r}")
     return origins
 
 

@@ -92,7 +92,8 @@ async def sse_events(
                 out = []
             delta = await next_delta(engine_iter)
         if delta is not None and delta.finish_reason is FinishReason.ABORT:  # ended by the server: shutting down
-            logger.info("request %s ended by the server: %s", tracker.request_id, delta.error or SHUTTING_DOWN)
+            logger.info("request %s (%s) ended by the server: %s", tracker.http_id, tracker.request_id,
+                        delta.error or SHUTTING_DOWN)
             yield "".join(out) + ended_by_server(shape, delta.error or SHUTTING_DOWN)
             return  # recorded in `finally` as an abort, with what the engine computed
         if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:

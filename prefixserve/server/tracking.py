@@ -30,8 +30,10 @@ class RequestTracker:
         tenant_id: str,
         model: str,
         prompt_len: int,
+        http_id: str = "",
     ) -> None:
         self._metrics = metrics
+        self.http_id = http_id  # the response's x-request-id (server/middleware.py), for log lines
         self._ledger = ledger
         self.request_id = request_id
         self.tenant_id = tenant_id

@@ -125,7 +125,7 @@ def test_the_next_to_start_is_the_oldest_of_the_tenant_least_served() -> None:
     a = [session("a", k) for k in range(4)]
     b, c = session("b", 0), session("c", 0)
     assert fair.order([], a) == a
-    names = lambda xs: [x.request.request_id for x in xs]  # noqa: E731
+    names = lambda xs: [x.request.request_id for x in xs]
     assert names(fair.order([], [*a, b, c])) == ["a0", "b0", "c0", "a1", "a2", "a3"]
     assert names(fair.order(a[:2], [*a[2:], b])) == ["b0", "a2", "a3"]  # a runs two: b first
     fair.started(a[0])

@@ -37,9 +37,69 @@ def test_reload_swaps_every_key_at_once_and_a_failed_read_changes_nothing(caplog
         reload_keys(keys, broken)
         reload_keys(keys, None)
     assert keys.identify("Bearer sk-new").tenant_id == "alice"
+    with caplog.at_level(logging.INFO, logger="prefixserve.server"):
+        reload_keys(keys, lambda: KeyStore.from_specs(["alice sk-newer", "carol sk-c"], "sk-admin"))
     said = [r.getMessage() for r in caplog.records]
+    assert said[-1].endswith("2 tenant(s); added: carol; removed: bob; new keys for: alice"), said[-1]
     assert any("unchanged" in m and "no API keys in the file" in m for m in said), said
     assert any("no --api-keys-file" in m for m in said), said
+
+
+def test_a_keys_file_is_read_as_an_editor_writes_it_and_a_bad_one_says_where(tmp_path: Path) -> None:
+    """QA: a byte-order mark (Windows editors) became part of the first key, and every client was
+    locked out; a key listed twice named neither line; a NUL-only line was a key."""
+    from prefixserve.server.auth import read_keys_file
+
+    f = tmp_path / "keys"
+    f.write_bytes(b"\xef\xbb\xbfsk-plain\r\nalice sk-a\n")
+    assert read_keys_file(f) == ["sk-plain", "alice sk-a"]
+    for content, why in ((b"alice sk-a\nbob sk-a\n", "keys:2: the key of line 1 again"),
+                         (b"sk-ok\n\x00\n", "keys:2: an API key spec must not hold control characters"),
+                         (b"\xff\xfe", "keys: not UTF-8")):
+        f.write_bytes(content)
+        with pytest.raises(ValueError, match=why):
+            read_keys_file(f)
+
+
+def test_keys_changed_while_the_model_loaded_apply_when_the_server_starts() -> None:
+    """A SIGHUP sent during the load is ignored (it must not kill the process); the key file is read
+    again as the server starts, so a key rotated meanwhile is not served with its old value."""
+    from fastapi.testclient import TestClient
+
+    from prefixserve.config import ServerConfig
+    from prefixserve.server.app import create_app
+    from tests.helpers.fake_engine import FakeEngine
+
+    keys = KeyStore.from_specs(["alice sk-leaked"])  # as read before the load
+    app = create_app(FakeEngine(), ServerConfig(), keys=keys, keys_source=lambda: KeyStore.from_specs(["alice sk-fresh"]),
+                     response_store=None)
+    body = {"prompt": "abc", "max_tokens": 1}
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-fresh"}).status_code == 200
+        assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-leaked"}).status_code == 401
+
+
+def test_a_sighup_while_the_server_starts_does_not_kill_it() -> None:
+    """QA: a SIGHUP in the first second (before the model load) killed the process."""
+    import threading
+
+    srv = ServerProcess(["--api-key", "sk-a", "--no-ledger"])
+
+    def hup() -> None:
+        deadline = time.monotonic() + 10
+        while srv.proc is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for wait in (0.5, 0.5):  # past the interpreter's own start, before and into the model load
+            time.sleep(wait)
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.proc.send_signal(signal.SIGHUP)
+
+    sender = threading.Thread(target=hup)
+    sender.start()
+    with srv:
+        sender.join()
+        assert _ask(srv, "sk-a", "Hi").status_code == 200
+    assert srv.returncode == 0
 
 
 def _ask(srv: ServerProcess, key: str, question: str) -> httpx.Response:

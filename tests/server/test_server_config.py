@@ -118,8 +118,10 @@ def test_flags_beat_environment_beat_defaults() -> None:
                             {}) == ("https://a.example", "http://b:8080")
     assert settings.resolve(_args(), "allowed_origins", {"PREFIXSERVE_ALLOWED_ORIGINS": "*"}) == ("*",)
     assert settings.resolve(_args(), "allowed_origins", {}) == ()
-    with pytest.raises(ValueError, match="not an origin"):
-        settings.resolve(_args(), "allowed_origins", {"PREFIXSERVE_ALLOWED_ORIGINS": "https://a.example/app"})
+    for bad, why in (("https://a.example/app", "not an origin"), ("https://*.a.example", "no wildcards"),
+                     ("https://a.example, *", "stands alone")):
+        with pytest.raises(ValueError, match=why):
+            settings.resolve(_args(), "allowed_origins", {"PREFIXSERVE_ALLOWED_ORIGINS": bad})
     assert settings.split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
     with pytest.raises(ValueError, match="PREFIXSERVE_PORT='eighty'"):
         settings.resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
