@@ -7,7 +7,10 @@ core's queue. It is *waiting* in either. It is *queued* only if the next admissi
 admission (EngineCore._admit) starts requests in `FairShare` order while a session slot is free
 (`max_num_seqs`) and the prompt + max_tokens of KV fits the session bytes left (any size while nothing
 runs), and stops at the first that does not fit, so every one behind it waits too. `--max-queued-requests`
-bounds the queued ones: a burst that free slots will take at the next step is never refused.
+bounds the queued ones: a burst that free slots will take at the next step is never refused. Past
+the bound a request is refused only if its tenant already has an even share of the bound waiting
+(the bound divided among the tenants waiting): one tenant's flood gets the 429s, not the others,
+whose requests then queue beyond the bound (at most about twice it in all).
 
 The order is fair between tenants: the next to start is the oldest request of the tenant with the
 fewest sessions running, the one that started one least recently among equals. A tenant's burst
@@ -47,6 +50,7 @@ class Room:
     num_free_slots: int  # max_num_seqs - num_running (negative after n > 1 forks)
     num_free_bytes: int  # max_session_bytes - the KV bytes admitted sessions reserved
     waiting_bytes: tuple[int, ...] = ()  # the KV bytes each request in the core's queue will reserve, in order
+    waiting_tenants: tuple[str, ...] = ()  # whose each of them is, in the same order
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +134,15 @@ def follows(core: EngineCore, s: Session) -> bool:
 def room(core: EngineCore) -> Room:
     """The core's room now. Call on the engine thread, between mutations."""
     per_token = core.runner.kv_bytes_per_token()
+    order = core.fair.order(core.running, core.waiting)
     return Room(
         num_running=core.num_running(),
         num_free_slots=core.config.max_num_seqs - core.num_running(),
         num_free_bytes=core.config.max_session_bytes - core._reserved_bytes,
         # back from a lower tier's load (engine/disk_loads.py), a request holds its reservation already
         waiting_bytes=tuple(kv_bytes_needed(s.request, core.max_model_len, per_token) - s.reserved_bytes
-                            for s in core.fair.order(core.running, core.waiting)),
+                            for s in order),
+        waiting_tenants=tuple(s.request.namespace.tenant_id for s in order),
     )
 
 
@@ -160,18 +166,24 @@ class AdmissionQueue:
         self._lock = threading.Lock()
         self._room = first
         self._pending: deque[int] = deque()  # the KV bytes of each request in the inbox, in order
+        self._pending_tenants: deque[str] = deque()  # and whose each is
         # the most requests the engine held at once (running + waiting), since start: taken at each
         # submission, the only moment the count grows
         self.peak = 0
 
-    def submit(self, need: int, limit: int) -> None:
-        """Count a request of `need` KV bytes into the inbox, or raise Overloaded (nothing counted)
-        when it would make more than `limit` requests queued."""
+    def submit(self, need: int, limit: int, tenant_id: str = "") -> None:
+        """Count `tenant_id`'s request of `need` KV bytes into the inbox, or raise Overloaded (nothing
+        counted) when it would make more than `limit` requests queued and the tenant has its share of
+        `limit` waiting already (the module docstring)."""
         with self._lock:
             if num_queued(self._room, [*self._pending, need]) > limit:
-                raise Overloaded(f"too many requests are queued ({limit} wait for a session slot or session memory); "
-                                 "retry shortly", retry_after_s=RETRY_AFTER_S)
+                waiting = Counter(self._room.waiting_tenants) + Counter(self._pending_tenants)
+                if waiting[tenant_id] >= max(1, limit // max(1, len(waiting))):
+                    raise Overloaded(f"too many requests are queued ({limit} wait for a session slot or session "
+                                     "memory, this key's share among the keys waiting); retry shortly",
+                                     retry_after_s=RETRY_AFTER_S)
             self._pending.append(need)
+            self._pending_tenants.append(tenant_id)
             self.peak = max(self.peak, self._room.num_running + len(self._room.waiting_bytes) + len(self._pending))
 
     def take(self, core: EngineCore, request: Request) -> None:
@@ -182,6 +194,7 @@ class AdmissionQueue:
                 core.add(request)
             finally:
                 self._pending.popleft()
+                self._pending_tenants.popleft()
                 self._room = room(core)
 
     def publish(self, now: Room) -> None:

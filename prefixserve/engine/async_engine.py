@@ -84,7 +84,8 @@ class AsyncEngine:
         rid = request.request_id
         q = self._streams.open(rid)
         try:  # counted into the inbox, or Overloaded past --max-queued-requests
-            self._admission.submit(self._kv_bytes(request), self.core.config.max_queued_requests)
+            self._admission.submit(self._kv_bytes(request), self.core.config.max_queued_requests,
+                                   request.namespace.tenant_id)
         except BaseException:
             self._streams.close(rid, q, 0, early=False)
             raise

@@ -58,6 +58,22 @@ def test_the_bound_counts_only_the_queued_and_a_refusal_counts_nothing() -> None
     assert q.counts() == Counts(num_waiting=3, num_queued=0)
 
 
+def test_past_the_bound_only_a_tenant_holding_its_share_is_refused() -> None:
+    """One tenant's flood gets the 429s: another tenant, waiting for less than its share of the bound
+    (the bound divided among the tenants waiting), still queues past it."""
+    q = AdmissionQueue(Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30))
+    q.submit(10, limit=2, tenant_id="a")
+    q.submit(10, limit=2, tenant_id="a")
+    with pytest.raises(Overloaded):
+        q.submit(10, limit=2, tenant_id="a")  # a holds the whole bound
+    q.submit(10, limit=2, tenant_id="b")  # b holds nothing: queued past the bound
+    for tenant in ("b", "a"):  # two tenants waiting: a share is 1, and each holds it
+        with pytest.raises(Overloaded, match="share"):
+            q.submit(10, limit=2, tenant_id=tenant)
+    q.submit(10, limit=2, tenant_id="c")
+    assert q.counts() == Counts(num_waiting=4, num_queued=4)
+
+
 # ---- the real engine ----------------------------------------------------------------------------
 
 
