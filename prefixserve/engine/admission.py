@@ -8,9 +8,9 @@ admission (EngineCore._admit) starts requests in `FairShare` order while a sessi
 (`max_num_seqs`) and the prompt + max_tokens of KV fits the session bytes left (any size while nothing
 runs), and stops at the first that does not fit, so every one behind it waits too. `--max-queued-requests`
 bounds the queued ones: a burst that free slots will take at the next step is never refused. Past
-the bound a request is refused only if its tenant already has an even share of the bound waiting
-(the bound divided among the tenants waiting): one tenant's flood gets the 429s, not the others,
-whose requests then queue beyond the bound (at most about twice it in all).
+the bound a request is refused if its tenant already has an even share of the bound waiting (the
+bound divided among the tenants waiting), and at twice the bound whoever sends it: one tenant's
+flood gets the 429s, not the others, whose requests then queue beyond the bound.
 
 The order is fair between tenants: the next to start is the oldest request of the tenant with the
 fewest sessions running, the one that started one least recently among equals. A tenant's burst
@@ -25,6 +25,7 @@ the step: the step's own admissions were counted as starting, its finishes free 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prefixserve.cache import Hit
-from prefixserve.engine.session import Phase, Session, kv_bytes_needed
+from prefixserve.engine.session import Phase, Session, kv_bytes_needed, slots_needed
 from prefixserve.types import Overloaded, Request, lcp
 
 if TYPE_CHECKING:
@@ -47,10 +48,12 @@ class Room:
     """The core's admission state at one moment between mutations; replaced whole, never changed."""
 
     num_running: int  # sessions running
-    num_free_slots: int  # max_num_seqs - num_running (negative after n > 1 forks)
+    num_free_slots: int  # max_num_seqs - the slots running sessions take (a choice 0 not yet forked: its n)
     num_free_bytes: int  # max_session_bytes - the KV bytes admitted sessions reserved
     waiting_bytes: tuple[int, ...] = ()  # the KV bytes each request in the core's queue will reserve, in order
     waiting_tenants: tuple[str, ...] = ()  # whose each of them is, in the same order
+    waiting_slots: tuple[int, ...] = ()  # and the session slots each takes (its n); () = 1 each
+    waiting_ids: tuple[str, ...] = ()  # and their request ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,24 +140,33 @@ def room(core: EngineCore) -> Room:
     order = core.fair.order(core.running, core.waiting)
     return Room(
         num_running=core.num_running(),
-        num_free_slots=core.config.max_num_seqs - core.num_running(),
+        num_free_slots=core.config.max_num_seqs - sum(slots_needed(s) for s in core.running),
         num_free_bytes=core.config.max_session_bytes - core._reserved_bytes,
         # back from a lower tier's load (engine/disk_loads.py), a request holds its reservation already
         waiting_bytes=tuple(kv_bytes_needed(s.request, core.max_model_len, per_token) - s.reserved_bytes
                             for s in order),
         waiting_tenants=tuple(s.request.namespace.tenant_id for s in order),
+        waiting_slots=tuple(slots_needed(s) for s in order),
+        waiting_ids=tuple(s.request.request_id for s in order),
     )
 
 
-def num_queued(room: Room, pending: Iterable[int]) -> int:
-    """Of the core's queue then `pending` (the KV bytes of each inbox request, in order): how many the
-    next admission would leave waiting, as EngineCore._admit decides. Pure."""
+def num_queued(room: Room, pending: Iterable[int], pending_slots: Iterable[int] = ()) -> int:
+    """Of the core's queue then `pending` (the KV bytes of each inbox request, in order; `pending_slots`
+    the slots of each, 1 where not given): how many the next admission would leave waiting, as
+    EngineCore._admit decides. Pure."""
+    given = [*(room.waiting_slots or [1] * len(room.waiting_bytes)), *pending_slots]
     needs = [*room.waiting_bytes, *pending]
+    return _queued(room, list(zip(needs, [*given, *[1] * (len(needs) - len(given))], strict=True)))
+
+
+def _queued(room: Room, needs: list[tuple[int, int]]) -> int:
+    """`num_queued` of (KV bytes, slots) per waiting request, in admission order."""
     slots, free, running = room.num_free_slots, room.num_free_bytes, room.num_running > 0
-    for k, need in enumerate(needs):
-        if slots <= 0 or (running and need > free):
+    for k, (need, n) in enumerate(needs):
+        if slots <= 0 or (running and (need > free or n > slots)):
             return len(needs) - k
-        slots, free, running = slots - 1, free - need, True
+        slots, free, running = slots - n, free - need, True
     return 0
 
 
@@ -165,26 +177,30 @@ class AdmissionQueue:
     def __init__(self, first: Room) -> None:
         self._lock = threading.Lock()
         self._room = first
-        self._pending: deque[int] = deque()  # the KV bytes of each request in the inbox, in order
-        self._pending_tenants: deque[str] = deque()  # and whose each is
+        # the inbox, in order: request id -> (KV bytes, session slots (its n), tenant)
+        self._pending: dict[str, tuple[int, int, str]] = {}
+        # requests whose client left while they wait in the core's queue: the engine aborts them before
+        # it admits again, so they count for nothing (a client's retry is not refused for its own timeout)
+        self._gone: set[str] = set()
+        self._unnamed = itertools.count()  # ids for submissions without one (tests of the count)
         # the most requests the engine held at once (running + waiting), since start: taken at each
         # submission, the only moment the count grows
         self.peak = 0
 
-    def submit(self, need: int, limit: int, tenant_id: str = "") -> None:
+    def submit(self, need: int, limit: int, tenant_id: str = "", slots: int = 1, request_id: str = "") -> None:
         """Count `tenant_id`'s request of `need` KV bytes into the inbox, or raise Overloaded (nothing
         counted) when it would make more than `limit` requests queued and the tenant has its share of
         `limit` waiting already (the module docstring)."""
         with self._lock:
-            if num_queued(self._room, [*self._pending, need]) > limit:
-                waiting = Counter(self._room.waiting_tenants) + Counter(self._pending_tenants)
-                if waiting[tenant_id] >= max(1, limit // max(1, len(waiting))):
+            waiting = self._waiting()
+            if (queued := _queued(self._room, [(b, n) for b, n, _ in waiting] + [(need, slots)])) > limit:
+                held = Counter(t for _, _, t in waiting)
+                if queued > 2 * limit or held[tenant_id] >= max(1, limit // max(1, len(held))):
                     raise Overloaded(f"too many requests are queued ({limit} wait for a session slot or session "
                                      "memory, this key's share among the keys waiting); retry shortly",
                                      retry_after_s=RETRY_AFTER_S)
-            self._pending.append(need)
-            self._pending_tenants.append(tenant_id)
-            self.peak = max(self.peak, self._room.num_running + len(self._room.waiting_bytes) + len(self._pending))
+            self._pending[request_id or f"#{next(self._unnamed)}"] = (need, slots, tenant_id)
+            self.peak = max(self.peak, self._room.num_running + len(waiting) + 1)
 
     def take(self, core: EngineCore, request: Request) -> None:
         """Engine thread: move the inbox's oldest request into the core's queue and publish the core's
@@ -193,16 +209,35 @@ class AdmissionQueue:
             try:
                 core.add(request)
             finally:
-                self._pending.popleft()
-                self._pending_tenants.popleft()
+                self._pending.pop(request.request_id, None)  # gone already if its client left
                 self._room = room(core)
+                self._gone &= set(self._room.waiting_ids)
+
+    def forget(self, request_id: str) -> None:
+        """Event loop: the client of `request_id` left before it finished; if it still waits it no longer
+        counts (the engine's abort of it follows)."""
+        with self._lock:
+            if self._pending.pop(request_id, None) is None and request_id in self._room.waiting_ids:
+                self._gone.add(request_id)
 
     def publish(self, now: Room) -> None:
         """Engine thread: the core's room after a change (a step, an abort)."""
         with self._lock:
             self._room = now
+            self._gone &= set(now.waiting_ids)
 
     def counts(self) -> Counts:
         """What waits and what is queued now, read together."""
         with self._lock:
-            return Counts(len(self._room.waiting_bytes) + len(self._pending), num_queued(self._room, self._pending))
+            waiting = self._waiting()
+            return Counts(len(waiting), _queued(self._room, [(b, n) for b, n, _ in waiting]))
+
+    def _waiting(self) -> list[tuple[int, int, str]]:
+        """(KV bytes, slots, tenant) of every request still waiting, in admission order: the core's
+        queue, then the inbox. Under the lock."""
+        r = self._room
+        ids = r.waiting_ids or ("",) * len(r.waiting_bytes)
+        slots = r.waiting_slots or (1,) * len(r.waiting_bytes)
+        tenants = r.waiting_tenants or ("",) * len(r.waiting_bytes)
+        queued = [(b, n, t) for b, n, t, i in zip(r.waiting_bytes, slots, tenants, ids, strict=True) if i not in self._gone]
+        return [*queued, *self._pending.values()]

@@ -85,7 +85,7 @@ class AsyncEngine:
         q = self._streams.open(rid)
         try:  # counted into the inbox, or Overloaded past --max-queued-requests
             self._admission.submit(self._kv_bytes(request), self.core.config.max_queued_requests,
-                                   request.namespace.tenant_id)
+                                   request.namespace.tenant_id, request.num_choices, rid)
         except BaseException:
             self._streams.close(rid, q, 0, early=False)
             raise
@@ -104,6 +104,7 @@ class AsyncEngine:
         finally:
             self._streams.close(rid, q, num_left, early=not finished)  # early: the abort's usage is kept
             if num_left > 0:  # the client went away, or one choice failed: stop the others
+                self._admission.forget(rid)  # a request still waiting counts no more
                 self._submit("abort", rid)
 
     async def abandoned_usage(self, request_id: str) -> Usage | None:
@@ -132,8 +133,9 @@ class AsyncEngine:
         need = self._kv_bytes(request)
         if need > budget:
             raise InvalidRequest(
-                f"the prompt plus max_tokens needs {need:,} bytes of KV, more than the server's session "
-                f"budget of {budget:,} bytes: lower max_tokens or shorten the prompt"
+                f"the prompt plus max_tokens{f', for each of {request.num_choices} choices,' if request.num_choices > 1 else ''}"
+                f" needs {need:,} bytes of KV, more than the server's session budget of {budget:,} bytes: lower "
+                f"max_tokens{' or n' if request.num_choices > 1 else ''} or shorten the prompt"
             )
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:

@@ -18,6 +18,7 @@ def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache[Snapsh
     assert s.index == 0 and not s.choices
     s.choices.append(s)
     sp = s.request.sampling
+    share = s.reserved_bytes // s.request.num_choices  # admission reserved every choice's KV on choice 0
     for index in range(1, s.request.num_choices):
         child = Session(
             request=s.request, detok=IncrementalDetokenizer(tokenizer, sp.stop),
@@ -25,6 +26,7 @@ def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache[Snapsh
             phase=Phase.DECODE, num_cached=s.num_cached, index=index, choices=s.choices,
             matcher=None if s.matcher is None else s.matcher.fork(),
         )
+        child.reserved_bytes, s.reserved_bytes = share, s.reserved_bytes - share  # freed as each finishes
         if s.state is not None:
             child.state = s.state.clone()
         else:  # a full hit whose copy is still pending

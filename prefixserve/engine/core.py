@@ -21,7 +21,7 @@ from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
-from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed
+from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed, slots_needed
 from prefixserve.runner import (
     ModelRunner,
     StepItem,
@@ -264,9 +264,10 @@ class EngineCore:
     def _admit(self) -> None:
         if self.loads:  # loaded from disk: back to the front of the queue, their entries in RAM now
             self.waiting.extendleft(reversed(self.loads.ready(block=not self.running and not self.waiting)))
+        taken = sum(slots_needed(r) for r in self.running)
         for s in self.fair.order(self.running, self.waiting):  # fair between tenants (admission.FairShare)
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+            if taken >= self.config.max_num_seqs or (self.running and taken + slots_needed(s) > self.config.max_num_seqs):
+                break  # n > 1 takes n slots: any n while nothing runs
             if admission.follows(self, s):  # waits, in its place, for a prompt under way that will serve it
                 continue
             need = kv_bytes_needed(s.request, self.max_model_len, self.runner.kv_bytes_per_token()) - s.reserved_bytes
@@ -274,6 +275,7 @@ class EngineCore:
                 break  # waits until running sessions finish and free their share
             self.waiting.remove(s)
             self.fair.started(s)
+            taken += slots_needed(s)
             s.reserved_bytes += need
             self._reserved_bytes += need
             if self._reuses(s.request) and self.loads.park(s):

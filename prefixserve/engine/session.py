@@ -135,7 +135,13 @@ class TurnRefill:
 
 
 def kv_bytes_needed(request: Request, max_model_len: int, kv_bytes_per_token: int) -> int:
-    """The KV bytes a session may grow to (prompt + max_tokens, within the context): what admission
-    reserves against `max_session_bytes`. The KV itself is allocated as it grows."""
+    """The KV bytes a request's sessions may grow to (prompt + max_tokens, within the context, for each
+    of its choices: n > 1 forks copy the prompt's KV): what admission reserves against
+    `max_session_bytes`. The KV itself is allocated as it grows."""
     num_tokens = min(max_model_len, len(request.prompt_ids) + request.sampling.max_tokens)
-    return num_tokens * kv_bytes_per_token
+    return request.num_choices * num_tokens * kv_bytes_per_token
+
+
+def slots_needed(s: Session) -> int:
+    """Session slots (`max_num_seqs`) `s` takes: a choice 0 not yet forked holds its request's n."""
+    return s.request.num_choices if s.index == 0 and not s.choices else 1

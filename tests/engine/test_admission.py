@@ -4,6 +4,7 @@ tokens: a request's prompt alone beyond it, and a budget too small to start with
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -13,6 +14,7 @@ from prefixserve.cache import PrefixCache
 from prefixserve.config import MIN_SESSION_TOKENS, CacheConfig, ConfigError, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.engine.admission import AdmissionQueue, Counts, Room, num_queued
+from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.types import (
     Delta,
     FinishReason,
@@ -46,6 +48,18 @@ def test_what_the_session_bytes_cannot_hold_is_queued_and_holds_up_the_rest() ->
     assert num_queued(Room(num_running=0, num_free_slots=64, num_free_bytes=10), [100, 1]) == 1
 
 
+def test_a_request_with_n_choices_takes_n_slots() -> None:
+    """n > 1 forks n - 1 sessions after the prompt: admission counts them before (QA: one n=16 request
+    ran 16 sessions past --max-num-seqs 4 and held another tenant's request 12 s)."""
+    room = Room(num_running=1, num_free_slots=3, num_free_bytes=1 << 30)
+    assert num_queued(room, [100, 100], [3, 1]) == 1  # n=3 takes the 3 free slots; the next waits
+    assert num_queued(room, [100, 100], [4, 1]) == 2  # n=4 does not fit beside what runs, and holds the rest
+    idle = Room(num_running=0, num_free_slots=4, num_free_bytes=1 << 30)
+    assert num_queued(idle, [100, 100], [16, 1]) == 1  # any n while nothing runs; then nothing fits
+    assert num_queued(Room(num_running=1, num_free_slots=2, num_free_bytes=1 << 30, waiting_bytes=(5,),
+                           waiting_slots=(2,)), [1]) == 1  # the core's queue counts its slots too
+
+
 def test_the_bound_counts_only_the_queued_and_a_refusal_counts_nothing() -> None:
     q = AdmissionQueue(Room(num_running=1, num_free_slots=1, num_free_bytes=1 << 30))
     for _ in range(3):  # one takes the free slot, two are queued: the limit
@@ -72,6 +86,29 @@ def test_past_the_bound_only_a_tenant_holding_its_share_is_refused() -> None:
             q.submit(10, limit=2, tenant_id=tenant)
     q.submit(10, limit=2, tenant_id="c")
     assert q.counts() == Counts(num_waiting=4, num_queued=4)
+    with pytest.raises(Overloaded):  # twice the bound: nobody queues more (QA: 12 keys made it 7x)
+        q.submit(10, limit=2, tenant_id="d")
+
+
+def test_a_request_whose_client_left_counts_no_more_while_it_waits() -> None:
+    """QA: a client timed out while its request waited behind a long prefill step, and its retry got a
+    429 for the share the abandoned request still held, until the step ended."""
+    full = Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30)
+    q = AdmissionQueue(full)
+    q.submit(10, limit=1, tenant_id="bob", request_id="b1")  # in the inbox
+    with pytest.raises(Overloaded):
+        q.submit(10, limit=1, tenant_id="bob", request_id="b2")
+    q.forget("b1")  # its client left; the engine has not taken it yet
+    assert q.counts() == Counts(num_waiting=0, num_queued=0)
+    q.submit(10, limit=1, tenant_id="bob", request_id="b2")  # the retry queues
+    # the same for one the engine took into its queue already (until it publishes a room without it)
+    q = AdmissionQueue(Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30, waiting_bytes=(10,),
+                            waiting_tenants=("bob",), waiting_slots=(1,), waiting_ids=("b1",)))
+    q.forget("b1")
+    assert q.counts() == Counts(num_waiting=0, num_queued=0)
+    q.submit(10, limit=1, tenant_id="bob", request_id="b2")
+    q.forget("nobody")  # running or finished: nothing changes
+    assert q.counts() == Counts(num_waiting=1, num_queued=1)
 
 
 # ---- the real engine ----------------------------------------------------------------------------
@@ -180,6 +217,44 @@ def test_a_tenants_burst_does_not_hold_another_tenants_request_behind_it() -> No
 
     asyncio.run(go())
     assert started == ["a0", "b0", "a1", "a2", "a3"]
+
+
+@pytest.mark.slow
+def test_n_choices_take_n_slots_and_their_kv_is_reserved_before_they_fork() -> None:
+    """Two slots: a request with n=3 starts alone (nothing runs) and another tenant's request waits
+    for its slots to free, instead of running beside its three forks; every reservation is returned."""
+    engine = make_engine(max_num_seqs=2)
+    finished: dict[str, float] = {}
+    first: dict[str, float] = {}
+    most = 0
+
+    async def run(req: Request) -> None:
+        nonlocal most
+        async for d in engine.generate(req):
+            most = max(most, engine.health().num_running)
+            if d.token_ids:
+                first.setdefault(req.request_id, time.monotonic())
+            finished[req.request_id] = time.monotonic()
+
+    async def go() -> None:
+        engine._core_lock.acquire()
+        try:
+            big = Request("a", Namespace("smol", "a"), tuple(prompt(1)),
+                          SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True), num_choices=3)
+            small = Request("b", Namespace("smol", "b"), tuple(prompt(2)), SamplingParams(max_tokens=2, temperature=0.0))
+            tasks = [asyncio.ensure_future(run(r)) for r in (big, small)]
+            await asyncio.sleep(0.1)
+        finally:
+            engine._core_lock.release()
+        await asyncio.gather(*tasks)
+        await engine.shutdown()
+
+    asyncio.run(go())
+    assert first["b"] > finished["a"] and most <= 3
+    assert engine.core._reserved_bytes == 0
+    one = Request("x", NS, (1, 2, 3), SamplingParams(max_tokens=5))
+    three = Request("x", NS, (1, 2, 3), SamplingParams(max_tokens=5), num_choices=3)
+    assert kv_bytes_needed(three, 2048, 10) == 3 * kv_bytes_needed(one, 2048, 10) == 240
 
 
 @pytest.mark.slow
