@@ -189,7 +189,12 @@ class Unavailable(RuntimeError):
 
 
 class InvalidRequest(ValueError):
-    """Anything else about a request the engine cannot serve (e.g. token ids outside the vocabulary). 400."""
+    """Anything else about a request the engine cannot serve (e.g. token ids outside the vocabulary). 400
+    naming `param`."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

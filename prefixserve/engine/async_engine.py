@@ -118,6 +118,9 @@ class AsyncEngine:
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty")
+        if request.num_choices > self.core.config.max_num_seqs:  # each choice is a session, all run at once
+            raise InvalidRequest(f"{request.num_choices} choices need {request.num_choices} session slots; this "
+                                 f"server runs at most {self.core.config.max_num_seqs} at once (--max-num-seqs)", "n")
         generating = int(request.sampling.max_tokens > 0)  # 0: the prompt alone, scored (completions' echo)
         if n + generating > self.max_model_len:
             raise PromptTooLong(

@@ -143,7 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(bad_request(f"chat template error: {exc}", "messages", "template_error"))
 
     async def on_invalid_request(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(bad_request(str(exc) or "invalid request", "prompt"))
+        return error_response(bad_request(str(exc) or "invalid request", getattr(exc, "param", "prompt")))
 
     async def on_overloaded(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Overloaded)

@@ -221,9 +221,10 @@ def test_a_tenants_burst_does_not_hold_another_tenants_request_behind_it() -> No
 
 @pytest.mark.slow
 def test_n_choices_take_n_slots_and_their_kv_is_reserved_before_they_fork() -> None:
-    """Two slots: a request with n=3 starts alone (nothing runs) and another tenant's request waits
-    for its slots to free, instead of running beside its three forks; every reservation is returned."""
-    engine = make_engine(max_num_seqs=2)
+    """Three slots: a request with n=3 takes them all and another tenant's request waits for them to
+    free, instead of running beside its three forks; every reservation is returned. More choices than
+    slots could never run: a 400 naming n."""
+    engine = make_engine(max_num_seqs=3)
     finished: dict[str, float] = {}
     first: dict[str, float] = {}
     most = 0
@@ -252,6 +253,10 @@ def test_n_choices_take_n_slots_and_their_kv_is_reserved_before_they_fork() -> N
     asyncio.run(go())
     assert first["b"] > finished["a"] and most <= 3
     assert engine.core._reserved_bytes == 0
+    too_many = Request("c", NS, tuple(prompt(3)), SamplingParams(max_tokens=2), num_choices=4)
+    with pytest.raises(InvalidRequest, match="3 at once") as refused:
+        engine.validate(too_many)
+    assert refused.value.param == "n"
     one = Request("x", NS, (1, 2, 3), SamplingParams(max_tokens=5))
     three = Request("x", NS, (1, 2, 3), SamplingParams(max_tokens=5), num_choices=3)
     assert kv_bytes_needed(three, 2048, 10) == 3 * kv_bytes_needed(one, 2048, 10) == 240
