@@ -214,6 +214,8 @@ def test_a_default_max_tokens_is_fitted_into_the_session_budget(make_client: Any
     assert eng.requests[-1].sampling.max_tokens == 300 - len(eng.requests[-1].prompt_ids)
     assert client.post("/v1/responses", json={"input": "hi"}, headers=auth()).status_code == 200
     assert eng.requests[-1].sampling.max_tokens == 300 - len(eng.requests[-1].prompt_ids)
+    assert client.post("/v1/chat/completions", json={**body, "n": 2}, headers=auth()).status_code == 200
+    assert eng.requests[-1].sampling.max_tokens == 150 - len(eng.requests[-1].prompt_ids)  # each choice holds its own
     r = client.post("/v1/completions", json={"prompt": "x" * 290}, headers=auth())  # OpenAI's 16, unless less is left
     assert r.status_code == 200 and eng.requests[-1].sampling.max_tokens == 10
     num_sent = len(eng.requests)
