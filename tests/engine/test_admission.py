@@ -202,12 +202,19 @@ def test_a_tenants_burst_does_not_hold_another_tenants_request_behind_it() -> No
             if d.token_ids and req.request_id not in started:
                 started.append(req.request_id)
 
+    reqs = [Request(f"a{k}", Namespace("smol", "a"), tuple(prompt(k)),
+                    SamplingParams(max_tokens=3, temperature=0.0)) for k in range(4)]
+    reqs.append(Request("b0", Namespace("smol", "b"), tuple(prompt(9)), SamplingParams(max_tokens=3, temperature=0.0)))
+    queued_together(engine, run, reqs)
+    assert started == ["a0", "b0", "a1", "a2", "a3"]
+
+
+def queued_together(engine: AsyncEngine, run: Any, reqs: list[Request]) -> None:
+    """`run(request)` for each of `reqs`, all in the engine's queue before it takes any (its lock held,
+    as a long step holds it); then the engine shuts down."""
     async def go() -> None:
-        engine._core_lock.acquire()  # all five in the queue before the engine takes any
+        engine._core_lock.acquire()
         try:
-            reqs = [Request(f"a{k}", Namespace("smol", "a"), tuple(prompt(k)),
-                            SamplingParams(max_tokens=3, temperature=0.0)) for k in range(4)]
-            reqs.append(Request("b0", Namespace("smol", "b"), tuple(prompt(9)), SamplingParams(max_tokens=3, temperature=0.0)))
             tasks = [asyncio.ensure_future(run(r)) for r in reqs]
             await asyncio.sleep(0.1)
         finally:
@@ -216,7 +223,6 @@ def test_a_tenants_burst_does_not_hold_another_tenants_request_behind_it() -> No
         await engine.shutdown()
 
     asyncio.run(go())
-    assert started == ["a0", "b0", "a1", "a2", "a3"]
 
 
 @pytest.mark.slow
@@ -237,20 +243,10 @@ def test_n_choices_take_n_slots_and_their_kv_is_reserved_before_they_fork() -> N
                 first.setdefault(req.request_id, time.monotonic())
             finished[req.request_id] = time.monotonic()
 
-    async def go() -> None:
-        engine._core_lock.acquire()
-        try:
-            big = Request("a", Namespace("smol", "a"), tuple(prompt(1)),
-                          SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True), num_choices=3)
-            small = Request("b", Namespace("smol", "b"), tuple(prompt(2)), SamplingParams(max_tokens=2, temperature=0.0))
-            tasks = [asyncio.ensure_future(run(r)) for r in (big, small)]
-            await asyncio.sleep(0.1)
-        finally:
-            engine._core_lock.release()
-        await asyncio.gather(*tasks)
-        await engine.shutdown()
-
-    asyncio.run(go())
+    big = Request("a", Namespace("smol", "a"), tuple(prompt(1)),
+                  SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True), num_choices=3)
+    small = Request("b", Namespace("smol", "b"), tuple(prompt(2)), SamplingParams(max_tokens=2, temperature=0.0))
+    queued_together(engine, run, [big, small])
     assert first["b"] > finished["a"] and most <= 3
     assert engine.core._reserved_bytes == 0
     too_many = Request("c", NS, tuple(prompt(3)), SamplingParams(max_tokens=2), num_choices=4)
