@@ -25,7 +25,6 @@ the step: the step's own admissions were counted as starting, its finishes free 
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -44,16 +43,23 @@ FOLLOW_MIN_TOKENS = 64  # a request waits for a prompt under way only to be serv
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A request not started yet, as admission counts it."""
+
+    request_id: str
+    need: int  # the KV bytes it will reserve (beyond what it holds already: engine/session.py kv_bytes_needed)
+    slots: int = 1  # the session slots it takes: its n
+    tenant_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Room:
     """The core's admission state at one moment between mutations; replaced whole, never changed."""
 
     num_running: int  # sessions running
     num_free_slots: int  # max_num_seqs - the slots running sessions take (a choice 0 not yet forked: its n)
     num_free_bytes: int  # max_session_bytes - the KV bytes admitted sessions reserved
-    waiting_bytes: tuple[int, ...] = ()  # the KV bytes each request in the core's queue will reserve, in order
-    waiting_tenants: tuple[str, ...] = ()  # whose each of them is, in the same order
-    waiting_slots: tuple[int, ...] = ()  # and the session slots each takes (its n); () = 1 each
-    waiting_ids: tuple[str, ...] = ()  # and their request ids
+    waiting: tuple[Waiting, ...] = ()  # the core's queue, in admission order
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,36 +143,30 @@ def follows(core: EngineCore, s: Session) -> bool:
 def room(core: EngineCore) -> Room:
     """The core's room now. Call on the engine thread, between mutations."""
     per_token = core.runner.kv_bytes_per_token()
-    order = core.fair.order(core.running, core.waiting)
     return Room(
         num_running=core.num_running(),
         num_free_slots=core.config.max_num_seqs - sum(slots_needed(s) for s in core.running),
         num_free_bytes=core.config.max_session_bytes - core._reserved_bytes,
         # back from a lower tier's load (engine/disk_loads.py), a request holds its reservation already
-        waiting_bytes=tuple(kv_bytes_needed(s.request, core.max_model_len, per_token) - s.reserved_bytes
-                            for s in order),
-        waiting_tenants=tuple(s.request.namespace.tenant_id for s in order),
-        waiting_slots=tuple(slots_needed(s) for s in order),
-        waiting_ids=tuple(s.request.request_id for s in order),
+        waiting=tuple(Waiting(s.request.request_id, kv_bytes_needed(s.request, core.max_model_len, per_token)
+                              - s.reserved_bytes, slots_needed(s), s.request.namespace.tenant_id)
+                      for s in core.fair.order(core.running, core.waiting)),
     )
 
 
-def num_queued(room: Room, pending: Iterable[int], pending_slots: Iterable[int] = ()) -> int:
-    """Of the core's queue then `pending` (the KV bytes of each inbox request, in order; `pending_slots`
-    the slots of each, 1 where not given): how many the next admission would leave waiting, as
-    EngineCore._admit decides. Pure."""
-    given = [*(room.waiting_slots or [1] * len(room.waiting_bytes)), *pending_slots]
-    needs = [*room.waiting_bytes, *pending]
-    return _queued(room, list(zip(needs, [*given, *[1] * (len(needs) - len(given))], strict=True)))
+def num_queued(room: Room, pending: Iterable[Waiting]) -> int:
+    """Of the core's queue then `pending` (the inbox, in order): how many the next admission would
+    leave waiting, as EngineCore._admit decides. Pure."""
+    return _queued(room, [*room.waiting, *pending])
 
 
-def _queued(room: Room, needs: list[tuple[int, int]]) -> int:
-    """`num_queued` of (KV bytes, slots) per waiting request, in admission order."""
+def _queued(room: Room, waiting: list[Waiting]) -> int:
+    """`num_queued` of `waiting`: those of the core's queue still counted, then the inbox."""
     slots, free, running = room.num_free_slots, room.num_free_bytes, room.num_running > 0
-    for k, (need, n) in enumerate(needs):
-        if slots <= 0 or (running and (need > free or n > slots)):
-            return len(needs) - k
-        slots, free, running = slots - n, free - need, True
+    for k, w in enumerate(waiting):
+        if slots <= 0 or (running and (w.need > free or w.slots > slots)):
+            return len(waiting) - k
+        slots, free, running = slots - w.slots, free - w.need, True
     return 0
 
 
@@ -177,29 +177,27 @@ class AdmissionQueue:
     def __init__(self, first: Room) -> None:
         self._lock = threading.Lock()
         self._room = first
-        # the inbox, in order: request id -> (KV bytes, session slots (its n), tenant)
-        self._pending: dict[str, tuple[int, int, str]] = {}
+        self._pending: dict[str, Waiting] = {}  # the inbox, in order, by request id
         # requests whose client left while they wait in the core's queue: the engine aborts them before
         # it admits again, so they count for nothing (a client's retry is not refused for its own timeout)
         self._gone: set[str] = set()
-        self._unnamed = itertools.count()  # ids for submissions without one (tests of the count)
         # the most requests the engine held at once (running + waiting), since start: taken at each
         # submission, the only moment the count grows
         self.peak = 0
 
-    def submit(self, need: int, limit: int, tenant_id: str = "", slots: int = 1, request_id: str = "") -> None:
-        """Count `tenant_id`'s request of `need` KV bytes into the inbox, or raise Overloaded (nothing
-        counted) when it would make more than `limit` requests queued and the tenant has its share of
-        `limit` waiting already (the module docstring)."""
+    def submit(self, request: Waiting, limit: int) -> None:
+        """Count `request` into the inbox, or raise Overloaded (nothing counted) when it would make more
+        than `limit` requests queued and its tenant has its share of `limit` waiting already, or more
+        than twice `limit` (the module docstring)."""
         with self._lock:
             waiting = self._waiting()
-            if (queued := _queued(self._room, [(b, n) for b, n, _ in waiting] + [(need, slots)])) > limit:
-                held = Counter(t for _, _, t in waiting)
-                if queued > 2 * limit or held[tenant_id] >= max(1, limit // max(1, len(held))):
+            if (queued := _queued(self._room, [*waiting, request])) > limit:
+                held = Counter(w.tenant_id for w in waiting)
+                if queued > 2 * limit or held[request.tenant_id] >= max(1, limit // max(1, len(held))):
                     raise Overloaded(f"too many requests are queued ({limit} wait for a session slot or session "
                                      "memory, this key's share among the keys waiting); retry shortly",
                                      retry_after_s=RETRY_AFTER_S)
-            self._pending[request_id or f"#{next(self._unnamed)}"] = (need, slots, tenant_id)
+            self._pending[request.request_id] = request
             self.peak = max(self.peak, self._room.num_running + len(waiting) + 1)
 
     def take(self, core: EngineCore, request: Request) -> None:
@@ -210,34 +208,30 @@ class AdmissionQueue:
                 core.add(request)
             finally:
                 self._pending.pop(request.request_id, None)  # gone already if its client left
-                self._room = room(core)
-                self._gone &= set(self._room.waiting_ids)
+                self._publish(room(core))
 
     def forget(self, request_id: str) -> None:
         """Event loop: the client of `request_id` left before it finished; if it still waits it no longer
         counts (the engine's abort of it follows)."""
         with self._lock:
-            if self._pending.pop(request_id, None) is None and request_id in self._room.waiting_ids:
+            if self._pending.pop(request_id, None) is None and any(w.request_id == request_id for w in self._room.waiting):
                 self._gone.add(request_id)
 
     def publish(self, now: Room) -> None:
         """Engine thread: the core's room after a change (a step, an abort)."""
         with self._lock:
-            self._room = now
-            self._gone &= set(now.waiting_ids)
+            self._publish(now)
+
+    def _publish(self, now: Room) -> None:
+        self._room = now
+        self._gone &= {w.request_id for w in now.waiting}
 
     def counts(self) -> Counts:
         """What waits and what is queued now, read together."""
         with self._lock:
             waiting = self._waiting()
-            return Counts(len(waiting), _queued(self._room, [(b, n) for b, n, _ in waiting]))
+            return Counts(len(waiting), _queued(self._room, waiting))
 
-    def _waiting(self) -> list[tuple[int, int, str]]:
-        """(KV bytes, slots, tenant) of every request still waiting, in admission order: the core's
-        queue, then the inbox. Under the lock."""
-        r = self._room
-        ids = r.waiting_ids or ("",) * len(r.waiting_bytes)
-        slots = r.waiting_slots or (1,) * len(r.waiting_bytes)
-        tenants = r.waiting_tenants or ("",) * len(r.waiting_bytes)
-        queued = [(b, n, t) for b, n, t, i in zip(r.waiting_bytes, slots, tenants, ids, strict=True) if i not in self._gone]
-        return [*queued, *self._pending.values()]
+    def _waiting(self) -> list[Waiting]:
+        """Every request still waiting, in admission order: the core's queue, then the inbox. Under the lock."""
+        return [*(w for w in self._room.waiting if w.request_id not in self._gone), *self._pending.values()]

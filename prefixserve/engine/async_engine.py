@@ -84,8 +84,8 @@ class AsyncEngine:
         rid = request.request_id
         q = self._streams.open(rid)
         try:  # counted into the inbox, or Overloaded past --max-queued-requests
-            self._admission.submit(self._kv_bytes(request), self.core.config.max_queued_requests,
-                                   request.namespace.tenant_id, request.num_choices, rid)
+            self._admission.submit(admission.Waiting(rid, self._kv_bytes(request), request.num_choices,
+                                                     request.namespace.tenant_id), self.core.config.max_queued_requests)
         except BaseException:
             self._streams.close(rid, q, 0, early=False)
             raise

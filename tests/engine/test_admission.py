@@ -4,6 +4,7 @@ tokens: a request's prompt alone beyond it, and a budget too small to start with
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from prefixserve.cache import PrefixCache
 from prefixserve.config import MIN_SESSION_TOKENS, CacheConfig, ConfigError, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
-from prefixserve.engine.admission import AdmissionQueue, Counts, Room, num_queued
+from prefixserve.engine.admission import AdmissionQueue, Counts, Room, Waiting, num_queued
 from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.types import (
     Delta,
@@ -32,40 +33,53 @@ NS = Namespace("smol", "t")
 # ---- the count, without a model ---------------------------------------------------------------
 
 
+def ws(*needs: int, slots: tuple[int, ...] = ()) -> list[Waiting]:
+    """Waiting requests of these KV bytes (and slots, 1 each past those given)."""
+    return [Waiting(f"w{next(IDS)}", need, slots[k] if k < len(slots) else 1) for k, need in enumerate(needs)]
+
+
+def request_of(tenant_id: str = "", request_id: str = "") -> Waiting:
+    """A 10-byte request of `tenant_id`."""
+    return Waiting(request_id or f"w{next(IDS)}", 10, 1, tenant_id)
+
+
+IDS = itertools.count()
+
+
 def test_requests_that_free_slots_take_at_the_next_step_are_not_queued() -> None:
     """The QA case: one session running, 63 slots free, 6 requests arriving during its step."""
-    assert num_queued(Room(num_running=1, num_free_slots=63, num_free_bytes=1 << 30), [100] * 6) == 0
-    assert num_queued(Room(num_running=1, num_free_slots=2, num_free_bytes=1 << 30), [100] * 6) == 4
-    assert num_queued(Room(num_running=64, num_free_slots=0, num_free_bytes=1 << 30), [100]) == 1
+    assert num_queued(Room(num_running=1, num_free_slots=63, num_free_bytes=1 << 30), ws(*[100] * 6)) == 0
+    assert num_queued(Room(num_running=1, num_free_slots=2, num_free_bytes=1 << 30), ws(*[100] * 6)) == 4
+    assert num_queued(Room(num_running=64, num_free_slots=0, num_free_bytes=1 << 30), ws(100)) == 1
 
 
 def test_what_the_session_bytes_cannot_hold_is_queued_and_holds_up_the_rest() -> None:
     """Admission goes in order and stops at the first request whose bytes do not fit (EngineCore._admit):
     a small one behind it waits too. The core's own queue comes before the inbox."""
-    room = Room(num_running=1, num_free_slots=63, num_free_bytes=100, waiting_bytes=(60,))
-    assert num_queued(room, [30, 20, 5]) == 2  # 60 and 30 fit; 20 does not, and 5 waits behind it
+    room = Room(num_running=1, num_free_slots=63, num_free_bytes=100, waiting=tuple(ws(60)))
+    assert num_queued(room, ws(30, 20, 5)) == 2  # 60 and 30 fit; 20 does not, and 5 waits behind it
     # with nothing running the first request starts whatever its size; the next waits for it
-    assert num_queued(Room(num_running=0, num_free_slots=64, num_free_bytes=10), [100, 1]) == 1
+    assert num_queued(Room(num_running=0, num_free_slots=64, num_free_bytes=10), ws(100, 1)) == 1
 
 
 def test_a_request_with_n_choices_takes_n_slots() -> None:
     """n > 1 forks n - 1 sessions after the prompt: admission counts them before (QA: one n=16 request
     ran 16 sessions past --max-num-seqs 4 and held another tenant's request 12 s)."""
     room = Room(num_running=1, num_free_slots=3, num_free_bytes=1 << 30)
-    assert num_queued(room, [100, 100], [3, 1]) == 1  # n=3 takes the 3 free slots; the next waits
-    assert num_queued(room, [100, 100], [4, 1]) == 2  # n=4 does not fit beside what runs, and holds the rest
+    assert num_queued(room, ws(100, 100, slots=(3, 1))) == 1  # n=3 takes the 3 free slots; the next waits
+    assert num_queued(room, ws(100, 100, slots=(4, 1))) == 2  # n=4 does not fit beside what runs, and holds the rest
     idle = Room(num_running=0, num_free_slots=4, num_free_bytes=1 << 30)
-    assert num_queued(idle, [100, 100], [16, 1]) == 1  # any n while nothing runs; then nothing fits
-    assert num_queued(Room(num_running=1, num_free_slots=2, num_free_bytes=1 << 30, waiting_bytes=(5,),
-                           waiting_slots=(2,)), [1]) == 1  # the core's queue counts its slots too
+    assert num_queued(idle, ws(100, 100, slots=(16, 1))) == 1  # any n while nothing runs; then nothing fits
+    assert num_queued(Room(num_running=1, num_free_slots=2, num_free_bytes=1 << 30,
+                           waiting=tuple(ws(5, slots=(2,)))), ws(1)) == 1  # the core's queue counts its slots too
 
 
 def test_the_bound_counts_only_the_queued_and_a_refusal_counts_nothing() -> None:
     q = AdmissionQueue(Room(num_running=1, num_free_slots=1, num_free_bytes=1 << 30))
     for _ in range(3):  # one takes the free slot, two are queued: the limit
-        q.submit(10, limit=2)
+        q.submit(request_of(), limit=2)
     with pytest.raises(Overloaded) as refused:
-        q.submit(10, limit=2)
+        q.submit(request_of(), limit=2)
     assert refused.value.retry_after_s == 2
     assert q.counts() == Counts(num_waiting=3, num_queued=2) and q.peak == 4
     q.publish(Room(num_running=3, num_free_slots=61, num_free_bytes=1 << 30))  # a step admitted and forked
@@ -76,18 +90,18 @@ def test_past_the_bound_only_a_tenant_holding_its_share_is_refused() -> None:
     """One tenant's flood gets the 429s: another tenant, waiting for less than its share of the bound
     (the bound divided among the tenants waiting), still queues past it."""
     q = AdmissionQueue(Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30))
-    q.submit(10, limit=2, tenant_id="a")
-    q.submit(10, limit=2, tenant_id="a")
+    q.submit(request_of("a"), limit=2)
+    q.submit(request_of("a"), limit=2)
     with pytest.raises(Overloaded):
-        q.submit(10, limit=2, tenant_id="a")  # a holds the whole bound
-    q.submit(10, limit=2, tenant_id="b")  # b holds nothing: queued past the bound
+        q.submit(request_of("a"), limit=2)  # a holds the whole bound
+    q.submit(request_of("b"), limit=2)  # b holds nothing: queued past the bound
     for tenant in ("b", "a"):  # two tenants waiting: a share is 1, and each holds it
         with pytest.raises(Overloaded, match="share"):
-            q.submit(10, limit=2, tenant_id=tenant)
-    q.submit(10, limit=2, tenant_id="c")
+            q.submit(request_of(tenant), limit=2)
+    q.submit(request_of("c"), limit=2)
     assert q.counts() == Counts(num_waiting=4, num_queued=4)
     with pytest.raises(Overloaded):  # twice the bound: nobody queues more (QA: 12 keys made it 7x)
-        q.submit(10, limit=2, tenant_id="d")
+        q.submit(request_of("d"), limit=2)
 
 
 def test_a_request_whose_client_left_counts_no_more_while_it_waits() -> None:
@@ -95,18 +109,17 @@ def test_a_request_whose_client_left_counts_no_more_while_it_waits() -> None:
     429 for the share the abandoned request still held, until the step ended."""
     full = Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30)
     q = AdmissionQueue(full)
-    q.submit(10, limit=1, tenant_id="bob", request_id="b1")  # in the inbox
+    q.submit(request_of("bob", "b1"), limit=1)  # in the inbox
     with pytest.raises(Overloaded):
-        q.submit(10, limit=1, tenant_id="bob", request_id="b2")
+        q.submit(request_of("bob", "b2"), limit=1)
     q.forget("b1")  # its client left; the engine has not taken it yet
     assert q.counts() == Counts(num_waiting=0, num_queued=0)
-    q.submit(10, limit=1, tenant_id="bob", request_id="b2")  # the retry queues
+    q.submit(request_of("bob", "b2"), limit=1)  # the retry queues
     # the same for one the engine took into its queue already (until it publishes a room without it)
-    q = AdmissionQueue(Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30, waiting_bytes=(10,),
-                            waiting_tenants=("bob",), waiting_slots=(1,), waiting_ids=("b1",)))
+    q = AdmissionQueue(Room(num_running=1, num_free_slots=0, num_free_bytes=1 << 30, waiting=(request_of("bob", "b1"),)))
     q.forget("b1")
     assert q.counts() == Counts(num_waiting=0, num_queued=0)
-    q.submit(10, limit=1, tenant_id="bob", request_id="b2")
+    q.submit(request_of("bob", "b2"), limit=1)
     q.forget("nobody")  # running or finished: nothing changes
     assert q.counts() == Counts(num_waiting=1, num_queued=1)
 
