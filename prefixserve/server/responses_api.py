@@ -14,9 +14,10 @@ A finished response is kept in memory for its tenant (server/response_store.py) 
 false: `previous_response_id` continues its conversation (the stored history, then this request's
 `instructions` and `input`, rendered as a client re-sending it all would be, so the cache serves the
 history the same way, in the namespace of the response it continues: its `cache_salt`, echoed in the
-response object, carries on unless the request names another), GET / DELETE /v1/responses/{id} read and forget it, and its input items can be
-listed or replayed by `item_reference` (server/response_items.py). `conversation` objects,
-stored prompt templates and background runs are refused.
+response object, carries on unless the request names another), GET / DELETE /v1/responses/{id} read
+and forget it, and its input items can be listed or replayed by `item_reference`
+(server/response_items.py). `conversation` objects, stored prompt templates and background runs are
+refused.
 """
 
 from __future__ import annotations

@@ -117,7 +117,6 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # and SIGHUP (the keys are read again once it serves) is no death
     from prefixserve.engine import build_engine
     from prefixserve.models import ModelLoadError
 
