@@ -25,6 +25,10 @@ from prefixserve.types import Constraint, HistoryForm
 
 MAX_TOP_LOGPROBS = 20
 THINK_TAIL = 16  # prompt tokens read for an open <think> (the generation prompt's last few)
+# OpenAI chat fields of features this server does not have (params.check_absent)
+CHAT_ABSENT = (("reasoning_effort", ("a thinking model's template takes chat_template_kwargs, e.g. "
+                                     '{"enable_thinking": false}')),
+               ("prediction", "no predicted outputs"), ("web_search_options", "no web search"))
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
                                       "continue_final_message", "return_dict", "documents", "conversation"})
@@ -45,6 +49,7 @@ def prepare_chat(
     params.check_unsupported(body)
     params.check_metadata(body.metadata)
     params.check_text_only(body.modalities, body.audio)
+    params.check_absent(body, CHAT_ABSENT)
     n = params.check_n(body.n)
     num_logprobs = check_logprobs(body)
     if body.functions is not None or body.function_call is not None:
@@ -65,7 +70,7 @@ def prepare_chat(
         ns = params.namespace(engine.model_id, tenant_id, salt)
         prompt_ids = memo.ids(ns, input_digest("chat", messages, tool_list, kwargs),
                               lambda: render_prompt(engine, messages, tool_list, True, kwargs))
-    check_fits(len(prompt_ids), engine.max_model_len)
+    check_fits(len(prompt_ids), engine.max_model_len, param="messages")
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     sampling = params.sampling_params(body, getattr(body, named), default_max_tokens, engine.max_model_len,
                                       len(prompt_ids), engine.vocab_size, num_logprobs, constraint,

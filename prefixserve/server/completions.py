@@ -151,14 +151,15 @@ def check_chars(num_chars: int, max_model_len: int, param: str) -> None:
         )
 
 
-def check_fits(prompt_len: int, max_model_len: int, scoring: bool = False) -> None:
+def check_fits(prompt_len: int, max_model_len: int, scoring: bool = False, param: str = "prompt") -> None:
     """The prompt plus at least one generated token must fit the context (the engine checks it too);
     `scoring` (echo with max_tokens 0: nothing is generated) the prompt alone, as evaluation harnesses
-    send windows of exactly the context's length."""
+    send windows of exactly the context's length. `param`: the field the prompt came from (chat's
+    `messages`)."""
     if prompt_len + (0 if scoring else 1) > max_model_len:
         raise bad_request(
             f"the prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens"
             + ("" if scoring else " including at least one generated token"),
-            "prompt",
+            param,
             "context_length_exceeded",
         )

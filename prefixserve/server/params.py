@@ -61,6 +61,17 @@ def check_unsupported(body: SamplingFields) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
+def check_absent(body: Any, features: tuple[tuple[str, str], ...]) -> None:
+    """Refuse, by name, OpenAI fields of features this server does not have, each (field, why), unless
+    the field is absent, null or empty: a silently ignored option reads as one that took effect."""
+    for name, why in features:
+        value = getattr(body, name)
+        if isinstance(value, dict) and all(v is None for v in value.values()):
+            continue  # e.g. {"effort": null}: nothing asked for
+        if value not in (None, False, 0, []):
+            raise bad_request(f"{name} is not supported here ({why})", name)
+
+
 def check_n(value: int | None, param: str = "n") -> int:
     """n (choices per request): 1 .. MAX_CHOICES."""
     n = 1 if value is None else value

@@ -71,10 +71,10 @@ def prepare_response(
         history, history_items = found.messages, (*found.items, *found.response["output"])
         if salt is None:  # the chain stays in its namespace, where its history is cached
             salt = found.response.get("cache_salt")
-    for name, why in (("conversation", "conversation objects are not kept: use previous_response_id"),
-                      ("prompt", "there are no stored prompt templates"), ("background", "requests run in the foreground")):
-        if getattr(body, name) not in (None, False, 0):
-            raise bad_request(f"{name} is not supported here ({why})", name)
+    params.check_absent(body, (("conversation", "conversation objects are not kept: use previous_response_id"),
+                               ("prompt", "there are no stored prompt templates"),
+                               ("background", "requests run in the foreground"),
+                               ("reasoning", "no reasoning options; a thinking model's <think> block is its reasoning")))
     if body.truncation not in (None, "disabled"):
         raise bad_request("truncation must be 'disabled': a prompt that does not fit is an error", "truncation")
     find = (lambda item_id: store.find_item(tenant_id, item_id)) if store is not None else (lambda item_id: None)

@@ -114,6 +114,10 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Any = None  # only ["text"]
     audio: Any = None  # refused: text output only
     function_call: Any = None
+    # OpenAI fields for features this server does not have: refused by name unless null
+    reasoning_effort: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class ResponsesRequest(BaseModel):
@@ -144,6 +148,7 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
     background: bool | None = None
+    reasoning: Any = None  # {"effort": ...}: refused unless empty
 
 
 class TokenizeRequest(BaseModel):

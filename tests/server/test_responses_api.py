@@ -118,6 +118,7 @@ def test_a_tool_call_is_a_function_call_item_streamed_and_not(client: TestClient
     ("body", "param"),
     [
         ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": []}, "input"),
         ({}, "input"),

@@ -168,7 +168,11 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": MSGS, "n": 17}, 400, "n"),
     (CH, {"messages": MSGS, "n": -1}, 400, "n"),
     (CH, {"messages": MSGS, "cache_salt": ""}, 400, "cache_salt"),
-    (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "prompt"),
+    (CH, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),  # the field the prompt came from
+    (C, {"prompt": "x" * 600}, 400, "prompt"),
+    (CH, {"messages": MSGS, "reasoning_effort": "low"}, 400, "reasoning_effort"),  # OpenAI fields we do not act on
+    (CH, {"messages": MSGS, "prediction": {"type": "content", "content": "Hello"}}, 400, "prediction"),
+    (CH, {"messages": MSGS, "web_search_options": {"search_context_size": "low"}}, 400, "web_search_options"),
 ]
 
 
@@ -201,6 +205,8 @@ def test_bad_input_is_an_openai_4xx_then_good_request_works(
 def test_text_modalities_and_metadata_within_openais_bounds_are_accepted(client: TestClient) -> None:
     body = {"messages": MSGS, "max_tokens": 2, "modalities": ["text"], "metadata": {"k": "v"}}
     assert client.post(CH, json=body, headers=auth()).status_code == 200
+    for unused in ({"reasoning_effort": None}, {"web_search_options": {}}, {"prediction": None}):  # nothing asked for
+        assert client.post(CH, json={**body, **unused}, headers=auth()).status_code == 200, unused
 
 
 def test_a_streaming_bad_request_is_still_a_plain_400(client: TestClient) -> None:
