@@ -98,11 +98,13 @@ class HistoryForm:
     turns"): the history lacks the prompt's last `drop` tokens (the empty think block Qwen3's template
     writes into a generation prompt with thinking off), writes `lead` before the reply's text, and,
     for a reply whose reasoning the server splits off (`thinking` not None; True: the prompt opened
-    the <think> block), holds only the answer."""
+    the <think> block), holds only the answer, and ends it with the stop token `end` whichever of the
+    model's stop tokens ended the reply (None: as sampled)."""
 
     drop: int = 0
     lead: str = ""
     thinking: bool | None = None
+    end: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

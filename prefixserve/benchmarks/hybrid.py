@@ -151,8 +151,8 @@ class _NoTokenizer:
     def next_turn(self, prompt_ids: Sequence[int], reply_ids: Sequence[int], form: Any = None) -> tuple[int, ...] | None:
         return None  # no text: the bench's turns are cached as sampled
 
-    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
-        return 0, ""
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str, int | None]:
+        return 0, "", None
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:

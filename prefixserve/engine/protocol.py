@@ -85,8 +85,8 @@ class TokenizerLike(Protocol):
         None where that cannot be told (models/tokenizer.py)."""
         ...
 
-    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
-        """(drop, lead): how the chat template writes a reply back into a later history (types.HistoryForm)."""
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str, int | None]:
+        """(drop, lead, end): how the chat template writes a reply back into a later history (types.HistoryForm)."""
         ...
 
     def render_chat(

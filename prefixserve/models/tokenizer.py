@@ -61,7 +61,7 @@ class Tokenizer:
         self._added = set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
         self._special_ids = {i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
                              if getattr(t, "special", False)}
-        self._forms: dict[str, tuple[int, str]] = {}  # history_form's, per template kwargs
+        self._forms: dict[str, tuple[int, str, int | None]] = {}  # history_form's, per template kwargs
         # a thinking model's </think> token, which ends a reply's reasoning (server/reasoning.py); else None
         self.think_end_id = _think_end_id(hf_tokenizer)
         self.thinks = self.think_end_id is not None
@@ -157,7 +157,9 @@ class Tokenizer:
         The prompt, less `form.drop` tokens, then the encoding of its last text run (after its last
         added token, where encoding starts afresh) followed by `form.lead` and the reply's text (its
         answer, where the server splits the reasoning off), less that run; a stop token ending the
-        reply stays as it is. A run longer than ECHO_CONTEXT tokens is cut to its last ones:
+        reply stays as it is, or becomes the template's own end of a turn (`form.end`: a model that
+        ended its reply with another of its stop tokens, `<|endoftext|>` where the template writes
+        `<|im_end|>`, is sent back with the template's). A run longer than ECHO_CONTEXT tokens is cut to its last ones:
         splitting text into words looks a few characters back, so the reply's tokens come out the
         same, and the work stays small (a wrong guess would only cost a cache hit: the entry is
         exact for its key whatever it is). None where that encoding would not be the next
@@ -166,6 +168,8 @@ class Tokenizer:
         drop, lead, thinking = (0, "", None) if form is None else (form.drop, form.lead, form.thinking)
         end = next((k for k, t in enumerate(reply_ids) if t in self.eos_token_ids), len(reply_ids))
         content, rest = list(reply_ids[:end]), tuple(reply_ids[end:])
+        if form is not None and form.end is not None and len(rest) == 1:
+            rest = (form.end,)
         head = prompt_ids[: len(prompt_ids) - drop]
         start = len(head)
         while start > 0 and head[start - 1] not in self._added and len(head) - start < ECHO_CONTEXT:
@@ -185,12 +189,13 @@ class Tokenizer:
             return None
         return tuple(head) + tuple(ids[len(run):]) + rest
 
-    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
-        """(drop, lead) of `HistoryForm` for this chat template: how it writes an assistant reply into
-        a later request's history against how its generation prompt ends (Qwen3's with thinking off:
-        the prompt ends in an empty think block the history does not have, drop 4). Probed once per
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str, int | None]:
+        """(drop, lead, end) of `HistoryForm` for this chat template: how it writes an assistant reply
+        into a later request's history against how its generation prompt ends (Qwen3's with thinking
+        off: the prompt ends in an empty think block the history does not have, drop 4), and the stop
+        token it writes right after a reply (`<|im_end|>`; None where it writes none). Probed once per
         template kwargs by rendering a user message alone and again followed by a reply and another
-        message; (0, "") where the template refuses the probe or writes the reply elsewhere."""
+        message; (0, "", None) where the template refuses the probe or writes the reply elsewhere."""
         key = json.dumps(template_kwargs or {}, sort_keys=True, default=str)
         if key not in self._forms:
             if len(self._forms) >= MAX_FORMS:  # kwargs are the client's: never an unbounded memo
@@ -201,13 +206,17 @@ class Tokenizer:
                 history = self.render_chat(ask + [{"role": "assistant", "content": PROBE}, {"role": "user", "content": "Ok."}],
                                            None, False, template_kwargs)
             except TemplateError:
-                self._forms[key] = (0, "")
+                self._forms[key] = (0, "", None)
                 return self._forms[key]
             n = lcp(prompt, history)
             with self._lock:
                 after = self.hf.decode(history[n:], skip_special_tokens=False)
+                # the token after the reply's last: the first k whose decoded prefix holds all of PROBE
+                k = next((k for k in range(n, len(history)) if PROBE in self.hf.decode(history[n : k + 1])), None)
             at = after.find(PROBE)
-            self._forms[key] = (len(prompt) - n, after[:at]) if at >= 0 else (0, "")
+            follows = history[k + 1] if k is not None and k + 1 < len(history) else None
+            end = follows if follows in self.eos_token_ids else None
+            self._forms[key] = (len(prompt) - n, after[:at], end) if at >= 0 else (0, "", None)
         return self._forms[key]
 
     def _marked(self, value: Any, written: list[str]) -> Any:

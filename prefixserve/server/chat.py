@@ -84,8 +84,8 @@ def prepare_chat(
                       logprobs=None if num_logprobs is None else LogprobRenderer(engine.tokenizer), tools=setup,
                       thinking=thinking, think_end_id=engine.tokenizer.think_end_id)
     # how the client's next request will hold this reply: the cache keys the finished turn so (docs/cache.md)
-    drop, lead = engine.tokenizer.history_form(kwargs)
-    history = HistoryForm(drop, lead, thinking) if drop or lead or thinking is not None else None
+    drop, lead, end = engine.tokenizer.history_form(kwargs)
+    history = HistoryForm(drop, lead, thinking, end) if drop or lead or thinking is not None or end is not None else None
     return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n, history=history)
 
 

@@ -34,7 +34,7 @@ class FakeTokenizer:
     thinks = False  # a test sets it to split replies as a thinking model's
     opens_think = False  # ... and this for a template whose generation prompt opens <think>
     think_end_id: int | None = None  # its tags are bytes, no one token: a split reply's tokens all count as reasoning
-    form: tuple[int, str] = (0, "")  # history_form's answer
+    form: tuple[int, str, int | None] = (0, "", None)  # history_form's answer
 
     def encode(self, text: str) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
@@ -45,7 +45,7 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id - OFFSET]) if token_id >= OFFSET else b""
 
-    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str]:
+    def history_form(self, template_kwargs: dict[str, Any] | None = None) -> tuple[int, str, int | None]:
         return self.form  # a test sets it for a template that writes replies back its own way
 
     def render_chat(

@@ -48,10 +48,10 @@ def history(tok: Any, reply: str, kwargs: dict[str, Any] | None) -> list[int]:
 def test_the_template_form_and_the_next_turn(model):
     tok = model.tokenizer
     tags = ["<think>", "\n", "\n", "</think>", "\n", "\n"]
-    assert tok.history_form(OFF) == (len(tags), "")  # the empty block is not in the history
-    assert tok.history_form(None) == (2, "")  # the opened "<think>\n" is not either
+    assert tok.history_form(OFF)[:2] == (len(tags), "")  # the empty block is not in the history
+    assert tok.history_form(None)[:2] == (2, "")  # the opened "<think>\n" is not either
     for kwargs, thinking in ((OFF, False), (None, True)):
-        drop, lead = tok.history_form(kwargs)
+        drop, lead, _ = tok.history_form(kwargs)
         prompt = tok.render_chat(HI, None, True, kwargs)
         said = "" if thinking else "<think>\nhmm\n</think>\n\n"  # the reply opens the block itself
         reply = tok.encode(said + "Let me see.\n</think>\n\nThe answer: a." if thinking else said + "The answer: a.")
@@ -128,7 +128,7 @@ def test_the_next_turn_hits_through_the_reply(model, kwargs):
     a cache-less engine does; the entry is bitwise a fresh prefill of that history."""
     tok = model.tokenizer
     ns = Namespace("tiny", "t")
-    drop, lead = tok.history_form(kwargs)
+    drop, lead, _ = tok.history_form(kwargs)
     thinking = kwargs is None
     prompt = tok.render_chat(HI, None, True, kwargs)
     a = tok.encode("a")
@@ -148,6 +148,47 @@ def test_the_next_turn_hits_through_the_reply(model, kwargs):
     out, (out2, u2), (ref2, _) = asyncio.run(go())
     assert out == a * 12
     assert u2.cached_tokens == len(key)
+    assert out2 == ref2
+    entry = cached.core.cache.get(ns, tuple(key))
+    assert entry is not None
+    assert_fresh_prefill(cached.core.runner, entry.state, key, 64)
+
+
+def test_a_reply_ended_by_another_stop_token_is_keyed_with_the_templates(merging):
+    """A model with two stop tokens (`<|im_end|>`, `<|endoftext|>`) may end its reply with the one the
+    chat template does not write: the next request's history holds the reply and then `<|im_end|>`
+    whichever ended it. The turn is keyed so (types.HistoryForm `end`, from `history_form`'s probe),
+    and the next turn hits through the reply's stop token (was: the prompt only; the turn was cached
+    under `<|endoftext|>`, which no history holds)."""
+    tok = merging.tokenizer
+    im_end, text_end = tok.eos_token_ids[:2]  # the template's, then another
+    assert tok.history_form(None) == (0, "", im_end)
+    first = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "Say a."}]
+    ids = tok.render_chat(first)
+    reply = "Sure."
+    turn = tok.next_turn(ids, tok.encode(reply) + [text_end], HistoryForm(end=im_end))
+    second = tok.render_chat(first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}])
+    assert turn is not None and second[: len(turn)] == list(turn) and turn[-1] == im_end
+    # end to end: a reply that is the other stop token alone (forced), then the history that follows it
+    second = tok.render_chat(first + [{"role": "assistant", "content": ""}, {"role": "user", "content": "More?"}])
+    key = ids + [im_end]
+    assert second[: len(key)] == key
+    ns = Namespace("tiny", "t")
+    cached, plain = make_engine(merging, 1 << 30), make_engine(merging, 0)
+    form = HistoryForm(end=tok.history_form(None)[2])
+
+    async def go():
+        out, _ = await collect(cached, Request(uuid.uuid4().hex, ns, tuple(ids), SamplingParams(
+            max_tokens=8, temperature=0.0, logit_bias=((text_end, 100.0),)), history=form))
+        await settle(cached)
+        got, want = await run(cached, second, ns, 8), await run(plain, second, ns, 8)
+        await cached.shutdown()
+        await plain.shutdown()
+        return out, got, want
+
+    out, (out2, u2), (ref2, _) = asyncio.run(go())
+    assert out == [text_end]
+    assert u2.cached_tokens == len(key)  # was len(ids)
     assert out2 == ref2
     entry = cached.core.cache.get(ns, tuple(key))
     assert entry is not None

@@ -79,7 +79,7 @@ def test_completion_prompt_as_token_ids(client: TestClient, engine: FakeEngine) 
     assert r.status_code == 200, r.text
     assert engine.requests[-1].text_history and engine.requests[-1].history is None  # the reply follows the prompt
     # a template that writes replies back its own way, a thinking model: the finished turn's key says so
-    engine.tokenizer.form = (4, "x")  # type: ignore[attr-defined]
+    engine.tokenizer.form = (4, "x", None)  # type: ignore[attr-defined]
     engine.tokenizer.thinks = True  # type: ignore[attr-defined]
     r = client.post("/v1/chat/completions", json=chat, headers=auth())
     assert r.status_code == 200, r.text
