@@ -134,18 +134,19 @@ class ResponseShape(Shape):
             self.keep(response)
         return response
 
-    def failure(self, message: str, type: str = "server_error", code: str | None = None) -> dict[str, Any]:
+    def failure(self, message: str, type: str = "server_error", code: str | None = None,
+                usage: Usage | None = None) -> dict[str, Any]:
         """response.failed: the response so far, status failed, with the error (as OpenAI ends such a stream).
         Items the stream opened and never closed are in it as far as they went, status incomplete, so a
         client that keeps the last event's response keeps the text it was shown. It is stored as a
         finished one is (OpenAI keeps failed responses too): GET answers it, a continuation goes on from
-        the text shown."""
+        the text shown. `usage`: what it was billed, where known (the server ended it)."""
         output = list(self._output)
         if self._reasoning_id:
             output.append({**_reasoning_item(self._reasoning_id, self._reasoning), "status": "incomplete"})
         if self._message_id and all(item["id"] != self._message_id for item in output):
             output.append(_message(self._message_id, self._text, True, self._sent))
-        response = {**self._response(output, None, None), "status": "failed",
+        response = {**self._response(output, usage, None, self.num_reasoning_tokens()), "status": "failed",
                     "error": {"code": code or type, "message": message}}
         return self._event("response.failed", response=self._kept(response))
 

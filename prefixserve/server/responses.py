@@ -83,8 +83,10 @@ class Shape:
         """Streamed: the reasoning tokens of every choice so far (0 where reasoning is never split off)."""
         return 0
 
-    def failure(self, message: str, type: str = "server_error", code: str | None = None) -> dict[str, Any]:
-        """The event that ends a stream the server could not finish (OpenAI's error object)."""
+    def failure(self, message: str, type: str = "server_error", code: str | None = None,
+                usage: Usage | None = None) -> dict[str, Any]:
+        """The event that ends a stream the server could not finish (OpenAI's error object; the usage
+        billed for it goes in its own chunk before it, `streaming.ended_by_server`)."""
         return error_body(message, type, code=code)
 
     chunk_object = ""

@@ -94,8 +94,10 @@ async def sse_events(
         if delta is not None and delta.finish_reason is FinishReason.ABORT:  # ended by the server: shutting down
             logger.info("request %s (%s) ended by the server: %s", tracker.http_id, tracker.request_id,
                         delta.error or SHUTTING_DOWN)
-            yield "".join(out) + ended_by_server(shape, delta.error or SHUTTING_DOWN)
-            return  # recorded in `finally` as an abort, with what the engine computed
+            await aclose_shielded(engine_iter)  # the abort's worker truth: billed, and told to the client
+            usage = tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
+            yield "".join(out) + ended_by_server(shape, delta.error or SHUTTING_DOWN, usage)
+            return
         if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:
             message = (
                 delta.error if delta is not None else None
@@ -119,12 +121,15 @@ async def sse_events(
             tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
 
 
-def ended_by_server(shape: Shape, message: str = SHUTTING_DOWN) -> str:
-    """The end of a stream the server ended (shutting down): the error event in the shape's form (an
-    OpenAI error object; `response.failed` on the Responses API) with the 503's type and code, then
-    `[DONE]` where the shape ends with it."""
+def ended_by_server(shape: Shape, message: str = SHUTTING_DOWN, usage: Usage | None = None) -> str:
+    """The end of a stream the server ended (shutting down): the usage billed for it where known (its
+    usage chunk when the client asked for one; in `response.failed`'s response on the Responses API),
+    then the error event in the shape's form (an OpenAI error object; `response.failed`) with the
+    503's type and code, then `[DONE]` where the shape ends with it."""
     err = unavailable(message)
-    return sse(shape.failure(err.message, err.type, err.code), shape.named_events) + (DONE if shape.ends_with_done else "")
+    head = sse(shape.usage_chunk(usage)) if usage is not None and shape.include_usage and shape.ends_with_done else ""
+    return head + sse(shape.failure(err.message, err.type, err.code, usage), shape.named_events) + \
+        (DONE if shape.ends_with_done else "")
 
 
 def sse(obj: dict[str, Any], named: bool = False) -> str:

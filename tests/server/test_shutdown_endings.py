@@ -170,6 +170,31 @@ def test_a_responses_stream_the_engine_ends_gets_response_failed_and_nothing_aft
     assert [r.finish_reason for r in srv.ledger.records] == ["abort", "abort"]
 
 
+def test_a_stream_the_engine_ends_tells_its_usage_before_the_error() -> None:
+    """A client that asked for usage (`stream_options.include_usage`; the Responses API always) learns
+    what the ended request was billed, the ledger's figures: the usage chunk, then the error event and
+    `[DONE]` (was: no usage at all, a request the client could not reconcile with its bill)."""
+    engine = ShutdownEngine(stuck=False)
+    srv = Served(engine, grace_s=0.1)
+    chat = Call(srv.url + "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    bare = Call(srv.url + "/v1/chat/completions", {**CHAT, "stream": True})
+    response = Call(srv.url + "/v1/responses", {**RESPONSE, "stream": True})
+    start(srv, engine, [chat, bare, response])
+    srv.stop()
+    for c in (chat, bare, response):
+        c.join(5)
+    billed = {r.request_id: r for r in srv.ledger.records}
+    assert len(billed) == 3 and {r.finish_reason for r in billed.values()} == {"abort"}
+    *_, usage, error, done = chat.payloads()
+    assert (usage["choices"], error, done) == ([], {"error": SHUTTING_DOWN}, "[DONE]"), chat.raw[-400:]
+    told = (usage["usage"]["prompt_tokens"], usage["usage"]["completion_tokens"])
+    assert told[1] > 0 and told in {(r.prompt_tokens, r.completion_tokens) for r in billed.values()}
+    assert not any("usage" in p and not p.get("choices") for p in bare.payloads()[:-1] if isinstance(p, dict))
+    failed = response.payloads()[-1]["response"]
+    assert failed["status"] == "failed" and failed["usage"]["output_tokens"] > 0
+    assert failed["usage"]["output_tokens"] in {r.completion_tokens for r in billed.values()}
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
 def test_requests_the_engine_never_ends_still_get_their_last_word_when_cancelled(path: str) -> None:
     engine = ShutdownEngine(stuck=True)
