@@ -149,7 +149,7 @@ CASES: list[Bad] = [
     chat(
         "message-content-over-context",
         messages=[{"role": "user", "content": "lorem ipsum " * 6000}],
-        param="prompt",
+        param="messages",
     ),
     # -- tools
     chat("tools-not-a-list", tools="f", param="tools"),
