@@ -49,6 +49,7 @@ class AsyncEngine:
         self.model_id = model_id
         self.max_model_len = core.max_model_len
         self.max_session_tokens = core.max_session_tokens
+        self.session_budget_tokens = core.session_budget_tokens
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._selftest_detail = selftest_detail

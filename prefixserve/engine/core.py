@@ -83,7 +83,8 @@ class EngineCore:
         self.config = config
         self.max_model_len = max_model_len
         # the most tokens one session may reserve (prompt + max_tokens); a budget below a small request's is refused
-        self.max_session_tokens = min(max_model_len, session_tokens(config.max_session_bytes, runner.kv_bytes_per_token()))
+        self.session_budget_tokens = session_tokens(config.max_session_bytes, runner.kv_bytes_per_token())
+        self.max_session_tokens = min(max_model_len, self.session_budget_tokens)
         self.emit = emit
         self.exact_reuse = exact_reuse  # False: the self-test failed, so never reuse across requests
         self.waiting: deque[Session] = deque()  # in arrival order; started in admission.FairShare's

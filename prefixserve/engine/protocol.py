@@ -107,6 +107,9 @@ class EngineClient(Protocol):
     # the most tokens (prompt + max_tokens) one request may reserve: --max-session-bytes over the KV bytes
     # of a token, at most max_model_len; a request without max_tokens gets its default fitted into it too
     max_session_tokens: int
+    # the whole --max-session-bytes in tokens of KV (not capped by the context): the n choices of a
+    # request share it, so a default max_tokens for n > 1 is fitted into its n-th part
+    session_budget_tokens: int
     vocab_size: int  # token ids outside [0, vocab_size) are refused before they reach the engine
     tokenizer: TokenizerLike
 

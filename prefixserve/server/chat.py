@@ -74,7 +74,7 @@ def prepare_chat(
     named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     sampling = params.sampling_params(body, getattr(body, named), default_max_tokens, engine.max_model_len,
                                       len(prompt_ids), engine.vocab_size, num_logprobs, constraint,
-                                      max_tokens_name=named, max_session_tokens=engine.max_session_tokens,
+                                      max_tokens_name=named, session_budget_tokens=engine.session_budget_tokens,
                                       num_choices=n)
     setup = None if tool_list is None or body.tool_choice == "none" else tools.ToolSetup(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)

@@ -68,7 +68,7 @@ def prepare_completion(
                                       engine.max_model_len, max(len(ids) for ids in prompts),
                                       engine.vocab_size, num_logprobs, constraint,
                                       prompt_logprobs=body.logprobs if body.echo else None,
-                                      zero_tokens_ok=bool(body.echo), max_session_tokens=engine.max_session_tokens,
+                                      zero_tokens_ok=bool(body.echo), session_budget_tokens=engine.session_budget_tokens,
                                       num_choices=best_of)
     shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
                             fingerprint=engine.health().fingerprint,

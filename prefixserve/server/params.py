@@ -100,23 +100,23 @@ def sampling_params(
     body: SamplingFields, max_tokens: int | None, default_max_tokens: int, max_model_len: int, prompt_len: int,
     vocab_size: int, num_logprobs: int | None = None, constraint: Constraint | None = None,
     prompt_logprobs: int | None = None, zero_tokens_ok: bool = False, max_tokens_name: str = "max_tokens",
-    *, max_session_tokens: int, num_choices: int = 1,
+    *, session_budget_tokens: int, num_choices: int = 1,
 ) -> SamplingParams:
     """The engine's SamplingParams for a prompt of `prompt_len` tokens (the longest, for several).
 
     A given max_tokens must fit beside the prompt: prompt + max_tokens beyond the context is a 400
     `context_length_exceeded` (as OpenAI and vLLM answer), never a silent cut; one beyond the session
     budget the engine refuses (400). Without one, the server's `--default-max-tokens` applies, capped by
-    the room the prompt leaves in the context and in `max_session_tokens` (the engine's
-    `--max-session-bytes` in tokens), at least 1: a prompt that leaves no room at all
+    the room the prompt leaves in the context and in `session_budget_tokens` (the engine's
+    `--max-session-bytes` in tokens, not capped by the context), at least 1: a prompt that leaves no room at all
     is then the engine's 400 naming the prompt alone. `zero_tokens_ok`:
     max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid.
     `max_tokens_name`: the field the client set it with (chat's max_completion_tokens), for errors.
     `num_choices`: n (best_of): each choice holds the prompt and its tokens in the session budget, so
-    the default is fitted into its share of it."""
+    the default is fitted into its n-th part (each choice has the whole context)."""
     room = max_model_len - prompt_len  # >= 1 (0 scoring a prompt alone): the caller checked it fits (check_fits)
     if max_tokens is None:
-        max_tokens = max(1, min(default_max_tokens, room, max_session_tokens // max(1, num_choices) - prompt_len))
+        max_tokens = max(1, min(default_max_tokens, room, session_budget_tokens // max(1, num_choices) - prompt_len))
     elif max_tokens < (0 if zero_tokens_ok else 1):
         raise bad_request(f"{max_tokens_name} must be at least 1", max_tokens_name)
     elif max_tokens > room:

@@ -83,6 +83,7 @@ class FakeEngine:
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.max_session_tokens = max_model_len if max_session_tokens is None else max_session_tokens
+        self.session_budget_tokens = 1 << 30 if max_session_tokens is None else max_session_tokens  # 4 GiB's, roughly
         self.tokenizer = FakeTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         self.token_delay = token_delay

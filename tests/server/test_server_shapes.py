@@ -186,6 +186,21 @@ def test_default_max_tokens_caps_a_request_that_names_none(client: TestClient, e
     assert (card["default_max_tokens"], card["max_model_len"]) == (1024, engine.max_model_len)
 
 
+def test_a_default_max_tokens_gives_each_of_n_choices_the_room_its_prompt_leaves(client: TestClient,
+                                                                               engine: FakeEngine) -> None:
+    """Each choice is a session of its own with the whole context: under a session budget far larger
+    than n contexts, n choices get the default each, within the context. QA: a 3,031-token prompt with
+    n 3 on an 8,192 context got 1 token a choice, the default fitted as if the n choices shared one
+    context window ((8,192 - 3 x 3,031) / 3 < 1)."""
+    prompt = "x" * (engine.max_model_len // 2)
+    for n in (1, 2, 4):
+        body = chat_body(prompt, n=n)
+        del body["max_tokens"]
+        assert client.post("/v1/chat/completions", json=body, headers=auth()).status_code == 200
+        room = engine.max_model_len - len(engine.requests[-1].prompt_ids)
+        assert engine.requests[-1].sampling.max_tokens == min(1024, room), n
+
+
 def test_prompt_plus_max_tokens_beyond_the_context_is_400(client: TestClient, engine: FakeEngine) -> None:
     """OpenAI's and vLLM's answer: a 400 `context_length_exceeded` naming both numbers, nothing queued."""
     body = chat_body(max_tokens=engine.max_model_len)
