@@ -19,7 +19,7 @@ from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
 from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.engine.streams import Streams
-from prefixserve.engine.torch_thread import TorchThread
+from prefixserve.engine.torch_thread import TorchThread, release_free_memory
 from prefixserve.types import (
     Delta,
     FinishReason,
@@ -253,7 +253,7 @@ class AsyncEngine:
         """The engine loop. A failed step fails only the requests it concerns (EngineCore.
         control.recover); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
         in a row, stops the engine: /health turns 503 and every open request ends with the error."""
-        failed_in_a_row = 0
+        failed_in_a_row, worked = 0, False
         try:
             while not self._stop:
                 with self._core_lock:
@@ -263,13 +263,16 @@ class AsyncEngine:
                 if idle:
                     if self._background():
                         continue  # one layer at a time: the inbox is looked at again after each
+                    if worked:
+                        worked = False
+                        release_free_memory()
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 try:
                     with self._mutating():
                         self.core.step()
-                    failed_in_a_row = 0
+                    failed_in_a_row, worked = 0, True
                 except Exception as e:  # a bug or OOM in one batch: isolate it, keep serving the rest
                     failed_in_a_row += 1
                     message = f"{type(e).__name__}: {e}"

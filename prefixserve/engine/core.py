@@ -279,13 +279,14 @@ class EngineCore:
             taken += slots_needed(s)
             s.reserved_bytes += need
             self._reserved_bytes += need
+            self.refills.shed(self.config.max_session_bytes - self._reserved_bytes)  # before its KV is allocated
             if self._reuses(s.request) and self.loads.park(s):
                 continue
             self.running.append(s)
             self._start(s)
-        # pooled buffers (runner/state.py KVPool) and the admitted sessions' KV share the session
-        # budget: the server's memory bound (README, "Under pressure") holds with the pool full
-        self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes)
+        # pooled buffers (runner/state.py KVPool), pending turn refills and the admitted sessions' KV share
+        # the session budget: the server's memory bound (README, "Under pressure") holds with the pool full
+        self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes - self.refills.nbytes())
 
     def _start(self, s: Session) -> None:
         req = s.request

@@ -53,6 +53,7 @@ def take(core: EngineCore) -> MetricsSnapshot:
         "running": float(core.num_running()),  # waiting and queued: AsyncEngine.metrics (engine/admission.py)
         "exact_reuse": 1.0 if core.exact_reuse else 0.0,
         "reserved_session_bytes": float(core._reserved_bytes),
+        "refill_bytes": float(core.refills.nbytes()),
         "max_session_bytes": float(core.config.max_session_bytes),
         # per tier (docs/cache.md, "Metrics"): RAM's figures under their tier name
         "cache_ram_hits": float(hits),

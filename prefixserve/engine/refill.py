@@ -21,6 +21,8 @@ from prefixserve.runner import ModelRunner, SessionState, StepItem
 from prefixserve.types import Namespace, lcp
 
 MAX_PENDING_REFILLS = 8  # each holds its session's KV; past this the oldest is dropped
+# ... and their KV shares --max-session-bytes with the running sessions' reservations: admission sheds
+# the oldest to make room (`shed`), never waits for one (a dropped refill costs the next turn a hit)
 
 Store = Callable[[Namespace, tuple[int, ...], SessionState], Iterator[None]]  # a store, paused per piece
 
@@ -50,10 +52,24 @@ class TurnRefills:
         state.truncate(num_exact)
         self._queue.append(TurnRefill(ns, token_ids, state))
         if len(self._queue) > MAX_PENDING_REFILLS:
-            oldest = self._queue.popleft()
-            if self._job is not None and self._job[0] is oldest:
-                self._job = None  # its paused forward or store is closed with it: nothing uses the state any more
-            self.runner.recycle(oldest.state)
+            self._drop_oldest()
+
+    def nbytes(self) -> int:
+        """The bytes the pending refills' states hold (their KV buffers, whole)."""
+        return sum(r.state.nbytes for r in self._queue)
+
+    def shed(self, limit: int) -> None:
+        """Drop the oldest pending refills until the rest hold at most `limit` bytes: what the session
+        budget leaves beside the running sessions' reservations (EngineCore._admit). Without it eight
+        finished long turns held their KV beyond every budget (QA: RSS ~400 MiB past the README's bound)."""
+        while self._queue and self.nbytes() > limit:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        oldest = self._queue.popleft()
+        if self._job is not None and self._job[0] is oldest:
+            self._job = None  # its paused forward or store is closed with it: nothing uses the state any more
+        self.runner.recycle(oldest.state)
 
     def run_layer(self) -> None:
         """Run one layer of the oldest refill's next chunk (starting the chunk if none is under way),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import queue
 import threading
@@ -11,6 +13,25 @@ from typing import Any, TypeVar
 
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`), once the engine goes
+    idle: the KV of finished sessions and evicted entries is freed into glibc's arenas, which keep it,
+    so after a burst of long prompts RSS stayed ~900 MiB above what the server held (QA, default
+    malloc settings). A few milliseconds, on the engine thread, only between bursts."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 class TorchThread:

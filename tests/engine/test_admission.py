@@ -337,3 +337,35 @@ def test_a_budget_below_a_small_request_is_refused_when_the_engine_is_built() ->
     with pytest.raises(ConfigError, match=f"holds {MIN_SESSION_TOKENS - 1} tokens"):
         core(MIN_SESSION_TOKENS * per_token - 1)
     assert core(MIN_SESSION_TOKENS * per_token).max_session_tokens == MIN_SESSION_TOKENS
+
+
+@pytest.mark.slow
+def test_pending_turn_refills_share_the_session_budget_and_give_way() -> None:
+    """A finished turn's KV waits for its refill (engine/refill.py) outside any session: it counts in
+    --max-session-bytes beside the running sessions' reservations, and a request that needs the room
+    drops the oldest pending refills (optional work: the next turn computes what it would have
+    served) rather than wait. QA: eight pending refills of long prompts held ~400 MiB past the
+    README's memory bound (RSS 2,037 MiB against 1,622)."""
+    model, runner = load_embedded("int4")
+    per_token = runner.kv_bytes_per_token()
+    ask = [model.tokenizer.render_chat([{"role": "user", "content": f"Tell me about colour number {i}. " * 20}])
+           for i in range(3)]
+    budget = (len(ask[0]) + 8) * per_token * 2 + 64 * per_token  # two of these sessions, not three
+    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)),
+                      EngineConfig(prefill_chunk_tokens=64, max_batch_tokens=256, max_session_bytes=budget), 2048,
+                      lambda r, d: None)
+
+    def run(ids: list[int]) -> None:
+        core.add(request(ids, max_tokens=8))
+        while core.has_work():
+            core.step()  # never `background`: the refills stay pending
+            assert core._reserved_bytes + core.refills.nbytes() <= budget
+
+    def pending() -> list[int]:
+        return [i for i, ids in enumerate(ask) for r in core.refills if r.token_ids[: len(ids)] == tuple(ids)]
+
+    run(ask[0])
+    run(ask[1])
+    assert pending() == [0, 1] and core._reserved_bytes == 0  # room for both
+    run(ask[2])  # its reservation and both refills do not fit: the oldest went before its KV was allocated
+    assert pending() == [1, 2]
