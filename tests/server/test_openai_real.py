@@ -347,7 +347,7 @@ BAD_CALLS: list[tuple[str, dict[str, Any], str | None]] = [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages[0].content[0].type",
     ),
-    ("chat", {"messages": [{"role": "user", "content": "word " * 9000}]}, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
     ("chat", {"temperature": 3}, "temperature"),
     ("chat", {"presence_penalty": 3}, "presence_penalty"),
     (
