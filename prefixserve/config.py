@@ -157,7 +157,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # "auto": a thinking model's reasoning as reasoning_content; "none": as text
     # after SIGTERM / SIGINT, how long requests in flight may take before the engine ends them; 0 = at
     # once (docs/architecture.md, "Shutdown")
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 20.0  # + SETTLE_S + the drain: inside Kubernetes' default 30 s grace
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -202,7 +202,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--shutdown-timeout", type=parse_seconds, metavar="SECONDS",
       help="after SIGTERM / SIGINT, how long requests in flight may take to finish; then the engine ends the rest "
            "(a stream gets an error event, others a 503; usage is recorded) and the server exits. 0: at once; a "
-           "second signal: now (PREFIXSERVE_SHUTDOWN_TIMEOUT; default 30; docs/architecture.md, \"Shutdown\")")
+           "second signal: now (PREFIXSERVE_SHUTDOWN_TIMEOUT; default 20: the exit comes within it + ~6 s; docs/architecture.md, \"Shutdown\")")
 
 
 def resolve(args: argparse.Namespace, dest: str, env: Mapping[str, str]) -> Any:

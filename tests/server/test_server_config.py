@@ -125,7 +125,7 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert settings.split_env_keys("alice sk-1, sk-2,,") == ["alice sk-1", "sk-2"]
     with pytest.raises(ValueError, match="PREFIXSERVE_PORT='eighty'"):
         settings.resolve(_args(), "port", {"PREFIXSERVE_PORT": "eighty"})
-    assert settings.resolve(_args(), "shutdown_timeout", {}) == 30.0
+    assert settings.resolve(_args(), "shutdown_timeout", {}) == 20.0
     assert settings.resolve(_args(), "shutdown_timeout", {"PREFIXSERVE_SHUTDOWN_TIMEOUT": "2.5"}) == 2.5
     assert settings.resolve(_args("--shutdown-timeout", "0"), "shutdown_timeout", {"PREFIXSERVE_SHUTDOWN_TIMEOUT": "9"}) == 0
 
