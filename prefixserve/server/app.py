@@ -122,7 +122,7 @@ def create_app(
 
     # HEAD too: load balancers probe with it (status only; the server sends no body to a HEAD)
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         h = engine.health()  # on the loop: AsyncEngine.health takes no lock, cheaper than a thread hop
         body = {
             "status": "ok" if h.ok else "unhealthy",
@@ -133,14 +133,26 @@ def create_app(
             "dtype": h.dtype,
             "tiles": h.tiles,
             "detail": h.detail,
-            "running": h.num_running,
-            "waiting": h.num_waiting,  # not started yet; of those, queued: beyond the free room (docs/cache.md)
-            "queued": h.num_queued,
             "model": engine.model_id,
             "max_model_len": engine.max_model_len,
             "default_max_tokens": server_config.default_max_tokens,
         }
+        if _reads_load(request):  # every tenant's traffic: /metrics' rule (a probe needs no key for the rest)
+            body |= {"running": h.num_running,
+                     "waiting": h.num_waiting,  # not started yet; of those, queued: beyond the free room (docs/cache.md)
+                     "queued": h.num_queued}
         return JSONResponse(body, status_code=200 if h.ok else 503)
+
+    def _reads_load(request: Request) -> bool:
+        """Whether this caller may see every tenant's load (running, waiting, queued): anyone on an open
+        server or with --metrics-open, else the admin key only. Never an error: /health answers a
+        load balancer's probe without a key."""
+        if keys.is_open or server_config.metrics_open:
+            return True
+        try:
+            return keys.identify(authorization(request)).is_admin
+        except APIError:
+            return False
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:

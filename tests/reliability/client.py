@@ -229,7 +229,9 @@ def count_5xx(metrics: dict[str, float]) -> float:
 
 
 def health(target: Target) -> dict[str, Any]:
-    r = httpx.get(target.base_url + "/health", timeout=30)
+    """/health as the operator reads it: with the admin key, the load figures too (running, waiting)."""
+    headers = {"Authorization": f"Bearer {target.admin_key}"} if target.admin_key else {}
+    r = httpx.get(target.base_url + "/health", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     assert body["ok"] is True, body

@@ -23,6 +23,7 @@ from tests.reliability.client import openai_error
 pytestmark = pytest.mark.slow
 
 KEY = "sk-shutdown-0123456789"
+ADMIN = "sk-shutdown-admin-0123456789"  # reads /health's load figures
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "user", "content": "Count from one to one thousand in words."}]
 PROMPT = "Once upon a time, in a land far away,"
@@ -32,7 +33,7 @@ SHUTTING_DOWN = {"message": "the server is shutting down", "type": "service_unav
 
 
 def server(grace_s: str) -> ServerProcess:
-    return ServerProcess(["--api-key", f"alice {KEY}", "--shutdown-timeout", grace_s, "--max-model-len", "1024",
+    return ServerProcess(["--api-key", f"alice {KEY}", "--admin-key", ADMIN, "--shutdown-timeout", grace_s, "--max-model-len", "1024",
                           "--cache-max-bytes", "1000"])
 
 
@@ -70,7 +71,7 @@ class Stream(threading.Thread):
 
 def wait_running(srv: ServerProcess, num: int) -> None:
     deadline = time.monotonic() + 60
-    while httpx.get(srv.base_url + "/health").json()["running"] < num:
+    while httpx.get(srv.base_url + "/health", headers={"Authorization": f"Bearer {ADMIN}"}).json()["running"] < num:
         assert time.monotonic() < deadline, srv.log_tail()
         time.sleep(0.02)
 

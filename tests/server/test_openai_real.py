@@ -255,7 +255,7 @@ def _abort_count(srv: ServerProcess) -> float:
 def _wait_idle(srv: ServerProcess, timeout: float = 30.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        health = httpx.get(srv.base_url + "/health").json()
+        health = httpx.get(srv.base_url + "/health", headers={"Authorization": f"Bearer {ADMIN}"}).json()
         if health["running"] == 0 and health["waiting"] == 0 or time.monotonic() > deadline:
             return health
         time.sleep(0.1)
@@ -438,8 +438,10 @@ def test_raw_http_errors(server: ServerProcess) -> None:
     with pytest.raises(openai.PermissionDeniedError):
         chat(client_srv := server, "hi", key=ADMIN)  # the admin key is not a tenant
     assert httpx.get(client_srv.base_url + "/nowhere").json()["error"]["type"] == "invalid_request_error"
-    health = httpx.get(server.base_url + "/health").json()
-    assert health["ok"] is True and {"exact_reuse", "detail", "running", "waiting"} <= set(health)
+    health = httpx.get(server.base_url + "/health").json()  # a probe: no other tenant's load without the admin key
+    assert health["ok"] is True and "exact_reuse" in health and "running" not in health
+    health = httpx.get(server.base_url + "/health", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    assert {"exact_reuse", "detail", "running", "waiting"} <= set(health)
     # /metrics is every tenant's traffic together: with API keys, only the admin key reads it
     assert httpx.get(server.base_url + "/metrics").status_code == 401
     denied = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"})

@@ -376,7 +376,10 @@ def test_models_health_and_unknown_routes(client: TestClient) -> None:
     assert r.json()["object"] == "list" and r.json()["data"][0]["id"] == "fake-model"
     assert client.get("/v1/models/fake-model", headers=auth()).json()["id"] == "fake-model"
     assert client.get("/v1/models/other", headers=auth()).status_code == 404
-    h = client.get("/health")
+    probe = client.get("/health").json()  # a load balancer's: no key, no other tenant's load
+    assert probe["ok"] is True and not {"running", "waiting", "queued"} & set(probe)
+    assert not {"running", "waiting", "queued"} & set(client.get("/health", headers=auth()).json())  # a tenant's
+    h = client.get("/health", headers=auth(ADMIN))
     assert h.status_code == 200
     assert {k: h.json()[k] for k in ("ok", "exact_reuse", "detail", "running", "waiting", "queued")} == {
         "ok": True,
