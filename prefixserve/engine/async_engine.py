@@ -34,6 +34,9 @@ from prefixserve.types import (
 log = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
 MAX_FAILED_STEPS = 3  # failed steps in a row (no progress) after which every request is failed
+# idle this long after work, the engine hands glibc's free pages back (torch_thread.release_free_memory):
+# not between back-to-back requests, whose next allocations would fault those pages in again
+TRIM_AFTER_IDLE_S = 2.0
 
 
 class AsyncEngine:
@@ -253,7 +256,7 @@ class AsyncEngine:
         """The engine loop. A failed step fails only the requests it concerns (EngineCore.
         control.recover); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
         in a row, stops the engine: /health turns 503 and every open request ends with the error."""
-        failed_in_a_row, worked = 0, False
+        failed_in_a_row, worked, last_work = 0, False, 0.0
         try:
             while not self._stop:
                 with self._core_lock:
@@ -262,8 +265,9 @@ class AsyncEngine:
                     idle = not self.core.has_work()
                 if idle:
                     if self._background():
+                        last_work = time.monotonic()
                         continue  # one layer at a time: the inbox is looked at again after each
-                    if worked:
+                    if worked and time.monotonic() - last_work >= TRIM_AFTER_IDLE_S:
                         worked = False
                         release_free_memory()
                     self._wake.wait(0.5)
@@ -272,7 +276,7 @@ class AsyncEngine:
                 try:
                     with self._mutating():
                         self.core.step()
-                    failed_in_a_row, worked = 0, True
+                    failed_in_a_row, worked, last_work = 0, True, time.monotonic()
                 except Exception as e:  # a bug or OOM in one batch: isolate it, keep serving the rest
                     failed_in_a_row += 1
                     message = f"{type(e).__name__}: {e}"

@@ -26,10 +26,11 @@ _TRIM = _malloc_trim()
 
 
 def release_free_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`), once the engine goes
-    idle: the KV of finished sessions and evicted entries is freed into glibc's arenas, which keep it,
-    so after a burst of long prompts RSS stayed ~900 MiB above what the server held (QA, default
-    malloc settings). A few milliseconds, on the engine thread, only between bursts."""
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`), once the engine has
+    been idle a while (AsyncEngine, TRIM_AFTER_IDLE_S): the KV of finished sessions and evicted
+    entries is freed into glibc's arenas, which keep it, so after a burst of long prompts RSS stayed
+    ~900 MiB above what the server held (QA, default malloc settings). On the engine thread, only
+    between bursts."""
     if _TRIM is not None:
         _TRIM(0)
 

@@ -67,3 +67,30 @@ def test_metrics_never_wait_for_a_step_and_count_a_finished_request() -> None:
     assert after["prompt_tokens"] == last.usage.prompt_tokens == after["cached_tokens"] + after["computed_prompt_tokens"]
     assert after["completion_tokens"] == last.usage.completion_tokens == 3
     assert after["running"] == 0 and after["waiting"] == 0 and after["oldest_wait_seconds"] == 0.0
+
+
+def test_free_memory_goes_back_once_the_engine_has_been_idle_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc keeps freed KV in its arenas; the engine hands the free pages back (malloc_trim) once it
+    has been idle TRIM_AFTER_IDLE_S after work: once per idle spell, never between back-to-back requests."""
+    from prefixserve.engine import async_engine
+
+    trims: list[float] = []
+    monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 1.0)
+    monkeypatch.setattr(async_engine, "release_free_memory", lambda: trims.append(time.monotonic()))
+    engine = make_engine()
+    model, _ = load_embedded("int4")
+    ids = tuple(model.tokenizer.render_chat([{"role": "user", "content": "Name a colour."}]))
+
+    async def go() -> tuple[int, int]:
+        for _ in range(3):  # back to back
+            async for _d in engine.generate(Request(f"r{len(trims)}{time.monotonic()}", Namespace("m", "t"), ids,
+                                                    SamplingParams(max_tokens=2, temperature=0.0))):
+                pass
+        between = len(trims)
+        await asyncio.sleep(3.0)  # past the idle time, and a few of the loop's 0.5 s waits
+        after = len(trims)
+        await engine.shutdown()
+        return between, after
+
+    between, after = asyncio.run(go())
+    assert (between, after) == (0, 1)
