@@ -167,6 +167,7 @@ class EngineCore:
 
         If it raises, the caller hands the error to `control.recover` (the sessions are left as
         they were before the forward, their fed decode tokens recorded in `_last_step`)."""
+        self.refills.shed(self.config.max_session_bytes - self._reserved_bytes)  # a pooled buffer may exceed its reservation
         self._admit()
         for s in self.running:
             if s.pending_restore is not None:
@@ -325,12 +326,13 @@ class EngineCore:
         entry = s.pending_restore
         if entry is None:
             s.state = self.runner.new_state(room)
-            return
-        try:
-            s.state = entry.state.restore(s.num_cached, room - s.num_cached, self.runner.kv_pool)
-        finally:
-            s.pending_restore = None
-            self.cache.unpin(entry)
+        else:
+            try:
+                s.state = entry.state.restore(s.num_cached, room - s.num_cached, self.runner.kv_pool)
+            finally:
+                s.pending_restore = None
+                self.cache.unpin(entry)
+        s.state.grow_limit = min(self.max_model_len, s.prompt_len + s.request.sampling.max_tokens)  # its reservation
 
     # ---- decode: sampling, stopping, finishing (engine/outputs.py) -------------------------------
 

@@ -104,8 +104,10 @@ class HybridState(SessionState):
         return {p: c for p, c in sorted(self.checkpoints.items()) if p < self.num_tokens}
 
     def clone(self) -> HybridState:
-        return HybridState(self.kv.clone(), self.rec.clone(), self.num_tokens,
+        twin = HybridState(self.kv.clone(), self.rec.clone(), self.num_tokens,
                            None if self.logits is None else self.logits.clone(), dict(self.checkpoints))
+        twin.grow_limit = self.grow_limit
+        return twin
 
 
 class HybridSnapshot:

@@ -114,6 +114,9 @@ class SessionState:
         self.kv = kv
         self.num_tokens = num_tokens
         self.logits = logits
+        # the most tokens it may hold (its session's prompt + max_tokens, what admission reserved): growth
+        # stops there instead of doubling past it; None: unbounded (set by the engine, EngineCore._restore)
+        self.grow_limit: int | None = None
 
     @classmethod
     def empty(
@@ -137,7 +140,10 @@ class SessionState:
         need = _round_up(num_tokens, BLOCK)
         if need <= self.capacity:
             return
-        new_cap = _round_up(max(need, self.capacity * 2, GROW_TOKENS), BLOCK)
+        new_cap = max(need, self.capacity * 2, GROW_TOKENS)
+        if self.grow_limit is not None:
+            new_cap = min(new_cap, max(need, self.grow_limit))
+        new_cap = _round_up(new_cap, BLOCK)
         kv = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
         kv[:, :, :, : self.num_tokens] = self.kv[:, :, :, : self.num_tokens]
         self.kv = kv
@@ -161,7 +167,9 @@ class SessionState:
         return KVSnapshot(self.kv[:, :, :, :n].clone(), logits)
 
     def clone(self) -> SessionState:
-        return SessionState(self.kv.clone(), self.num_tokens, None if self.logits is None else self.logits.clone())
+        twin = SessionState(self.kv.clone(), self.num_tokens, None if self.logits is None else self.logits.clone())
+        twin.grow_limit = self.grow_limit
+        return twin
 
     def boundary_at(self, lcp: int) -> int:
         """Where the engine puts a boundary entry for a common prefix of `lcp` tokens: right there

@@ -68,3 +68,20 @@ def test_trim_drops_the_oldest_to_a_limit() -> None:
     assert pool.take((2, 2, 3, 64, 8), torch.bfloat16, "cpu").data_ptr() in {bufs[1].data_ptr(), bufs[2].data_ptr()}
     pool.trim(-5)
     assert pool.bytes == 0
+
+
+def test_a_state_grows_to_its_sessions_reservation_not_past_it() -> None:
+    """Growth doubles (few copies as a reply lengthens) but stops at `grow_limit`, the prompt +
+    max_tokens admission reserved: a 3,000-token prompt with max_tokens 1,024 grew to a 6,528-token
+    buffer, 62% past what --max-session-bytes counted for it. A state without a limit doubles as before."""
+    shape = (2, 2, 1, 8)
+    bounded, free = (SessionState.empty(shape, torch.float32, "cpu", capacity=3264) for _ in range(2))
+    bounded.grow_limit = 4024
+    for st in (bounded, free):
+        st.num_tokens = 3264
+        st.reserve(3265)
+    assert bounded.capacity == 4032 and free.capacity == 6528  # 4,024 rounded up to the 32-key block
+    bounded.num_tokens = 4024
+    bounded.reserve(4100)  # past the limit (a turn re-encoded longer than sampled): what it needs
+    assert bounded.capacity == 4128
+    assert bounded.clone().grow_limit == 4024
