@@ -138,3 +138,7 @@ def finish(
     if s.state is not None and not core.refills.owns(s.state):
         core.runner.recycle(s.state)  # its buffer serves the next session (runner/state.py KVPool)
     s.state = None  # free the session's KV now
+    # its reservation is free and its state may wait for a refill: the two may differ (a pooled buffer is
+    # up to a quarter larger), and the session budget holds them both (only now: a state a refill drops
+    # here is recycled once, by the refill)
+    core.refills.shed(core.config.max_session_bytes - core._reserved_bytes)
