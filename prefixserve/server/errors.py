@@ -112,6 +112,15 @@ def validation_error(errors: list[Any]) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param=param)
 
 
+# the field a prompt came from, per endpoint: the engine's errors about "the prompt" name it so
+PROMPT_FIELD = {"/v1/chat/completions": "messages", "/v1/responses": "input"}
+
+
+def prompt_param(request: Request, param: str | None) -> str | None:
+    """`param` as the client knows it: the engine's "prompt" is chat's `messages`, Responses' `input`."""
+    return PROMPT_FIELD.get(request.url.path, param) if param == "prompt" else param
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error response OpenAI-shaped. A client mistake is never a 500."""
 
@@ -136,14 +145,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_prompt_too_long(request: Request, exc: Exception) -> JSONResponse:
         return error_response(
-            bad_request(str(exc) or "the prompt is too long", "prompt", "context_length_exceeded")
+            bad_request(str(exc) or "the prompt is too long", prompt_param(request, "prompt"), "context_length_exceeded")
         )
 
     async def on_template_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(bad_request(f"chat template error: {exc}", "messages", "template_error"))
 
     async def on_invalid_request(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(bad_request(str(exc) or "invalid request", getattr(exc, "param", "prompt")))
+        return error_response(bad_request(str(exc) or "invalid request",
+                                          prompt_param(request, getattr(exc, "param", "prompt"))))
 
     async def on_overloaded(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Overloaded)

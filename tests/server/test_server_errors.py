@@ -241,11 +241,15 @@ class TooLongEngine(FakeEngine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_prompt_too_long_from_the_engine_is_400(make_client: Any, stream: bool) -> None:
+@pytest.mark.parametrize(("path", "body", "param"), [(C, {"prompt": "p"}, "prompt"), (CH, {"messages": MSGS}, "messages"),
+                                                     ("/v1/responses", {"input": "p"}, "input")])
+def test_prompt_too_long_from_the_engine_is_400(make_client: Any, stream: bool, path: str, body: dict[str, Any],
+                                                param: str) -> None:
+    """Named as the client sent the prompt: chat's `messages`, Responses' `input` (was `prompt` everywhere)."""
     eng = TooLongEngine()
     client = make_client(eng=eng)
-    r = client.post(C, json={"prompt": "p", "stream": stream}, headers=auth())
-    check_error(r, 400, "prompt")
+    r = client.post(path, json={**body, "stream": stream}, headers=auth())
+    check_error(r, 400, param)
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert "prefixserve_requests_in_flight 0.0" in client.get("/metrics", headers=auth(ADMIN)).text
 
