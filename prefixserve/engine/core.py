@@ -21,7 +21,7 @@ from prefixserve.engine.disk_loads import DiskLoads
 from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
-from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed, slots_needed
+from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed, slots_needed, tokens_needed
 from prefixserve.runner import (
     ModelRunner,
     StepItem,
@@ -167,7 +167,6 @@ class EngineCore:
 
         If it raises, the caller hands the error to `control.recover` (the sessions are left as
         they were before the forward, their fed decode tokens recorded in `_last_step`)."""
-        self.refills.shed(self.config.max_session_bytes - self._reserved_bytes)  # a pooled buffer may exceed its reservation
         self._admit()
         for s in self.running:
             if s.pending_restore is not None:
@@ -332,7 +331,7 @@ class EngineCore:
             finally:
                 s.pending_restore = None
                 self.cache.unpin(entry)
-        s.state.grow_limit = min(self.max_model_len, s.prompt_len + s.request.sampling.max_tokens)  # its reservation
+        s.state.grow_limit = tokens_needed(s.request, self.max_model_len)  # what admission reserved for it
 
     # ---- decode: sampling, stopping, finishing (engine/outputs.py) -------------------------------
 

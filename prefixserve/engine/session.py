@@ -134,12 +134,16 @@ class TurnRefill:
     state: SessionState
 
 
+def tokens_needed(request: Request, max_model_len: int) -> int:
+    """The tokens of KV one of a request's sessions may grow to: prompt + max_tokens, within the context."""
+    return min(max_model_len, len(request.prompt_ids) + request.sampling.max_tokens)
+
+
 def kv_bytes_needed(request: Request, max_model_len: int, kv_bytes_per_token: int) -> int:
-    """The KV bytes a request's sessions may grow to (prompt + max_tokens, within the context, for each
-    of its choices: n > 1 forks copy the prompt's KV): what admission reserves against
-    `max_session_bytes`. The KV itself is allocated as it grows."""
-    num_tokens = min(max_model_len, len(request.prompt_ids) + request.sampling.max_tokens)
-    return request.num_choices * num_tokens * kv_bytes_per_token
+    """The KV bytes a request's sessions may grow to (`tokens_needed` for each of its choices:
+    n > 1 forks copy the prompt's KV): what admission reserves against `max_session_bytes`. The KV
+    itself is allocated as it grows."""
+    return request.num_choices * tokens_needed(request, max_model_len) * kv_bytes_per_token
 
 
 def slots_needed(s: Session) -> int:

@@ -64,6 +64,12 @@ async def sse_events(
     (asked once the engine iterator is closed: the abort's worker truth), else the last usage seen."""
     done = DONE if shape.ends_with_done else ""
     named = shape.named_events
+
+    async def finish_aborted() -> Usage:
+        """Record the request as an abort with the engine's worker truth, asked once its iterator is closed."""
+        await aclose_shielded(engine_iter)
+        return tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
+
     try:
         # each delta's chunks go out as one write (the opening chunks with the first delta's, the
         # last delta's with the usage chunk and [DONE]): a write is a syscall and a wake-up of the
@@ -94,8 +100,7 @@ async def sse_events(
         if delta is not None and delta.finish_reason is FinishReason.ABORT:  # ended by the server: shutting down
             logger.info("request %s (%s) ended by the server: %s", tracker.http_id, tracker.request_id,
                         delta.error or SHUTTING_DOWN)
-            await aclose_shielded(engine_iter)  # the abort's worker truth: billed, and told to the client
-            usage = tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
+            usage = await finish_aborted()  # billed, and told to the client
             yield "".join(out) + ended_by_server(shape, delta.error or SHUTTING_DOWN, usage)
             return
         if delta is None or delta.finish_reason is FinishReason.ERROR or delta.error:
@@ -116,9 +121,10 @@ async def sse_events(
         yield sse(shape.failure(f"internal error: {type(e).__name__}"), named)
         yield done
     finally:
-        await aclose_shielded(engine_iter)
-        if not tracker.finished:  # the stream was cut short
-            tracker.finish(FinishReason.ABORT.value, None if abandoned_usage is None else await abandoned_usage())
+        if tracker.finished:
+            await aclose_shielded(engine_iter)
+        else:  # the stream was cut short
+            await finish_aborted()
 
 
 def ended_by_server(shape: Shape, message: str = SHUTTING_DOWN, usage: Usage | None = None) -> str:
