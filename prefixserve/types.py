@@ -55,6 +55,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # (open, close): stop strings do not match from an open tag to its close (tool calls; engine/detok.py)
+    stop_skip: tuple[str, str] | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     presence_penalty: float = 0.0  # -= p for every token already generated

@@ -21,7 +21,7 @@ def fork_choices(s: Session, tokenizer: TokenizerLike, cache: PrefixCache[Snapsh
     share = s.reserved_bytes // s.request.num_choices  # admission reserved every choice's KV on choice 0
     for index in range(1, s.request.num_choices):
         child = Session(
-            request=s.request, detok=IncrementalDetokenizer(tokenizer, sp.stop),
+            request=s.request, detok=IncrementalDetokenizer(tokenizer, sp.stop, sp.stop_skip),
             generator=make_generator(None if sp.seed is None else sp.seed + index),
             phase=Phase.DECODE, num_cached=s.num_cached, index=index, choices=s.choices,
             matcher=None if s.matcher is None else s.matcher.fork(),

@@ -106,7 +106,7 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a validated request (its prompt fits: len(prompt) < max_model_len)."""
         sp = request.sampling
-        s = Session(request=request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop),
+        s = Session(request=request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_skip),
                     generator=make_generator(sp.seed))
         self.counters.num_requests += 1
         if sp.constraint is not None:

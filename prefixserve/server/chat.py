@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import replace
 from typing import Any
 
 from prefixserve.config import DEFAULT_MAX_TOKENS
@@ -78,6 +79,8 @@ def prepare_chat(
                                       num_choices=n)
     setup = None if tool_list is None or body.tool_choice == "none" else tools.ToolSetup(
         names=tuple(t["function"]["name"] for t in tool_list), parallel=body.parallel_tool_calls is not False)
+    if setup is not None and sampling.stop:  # a stop string ends the reply's text, never cuts a call
+        sampling = replace(sampling, stop_skip=(tools.OPEN, tools.CLOSE))
     thinking = thinking_start(engine, prompt_ids) if think_split else None
     shape = ChatShape(id=new_id("chatcmpl"), model=model, include_usage=include_usage(body),
                       fingerprint=engine.health().fingerprint,
@@ -112,22 +115,29 @@ def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str,
     """The tools to render, or None. With tool_choice 'none' they are rendered all the same (as OpenAI
     keeps them visible), so the turn that must answer in text is keyed by the same prefix as the turns
     that called them; only its reply is not parsed for calls. Each function's name follows OpenAI's
-    rule and its `parameters` must be a JSON schema of an object that compiles."""
+    rule and its `parameters` must be a JSON schema of an object; the schemas a forced call is
+    constrained by (every tool's for 'required', the named one's) must compile. The others constrain
+    nothing (an 'auto' reply is parsed, not constrained), so a keyword the grammar lacks is no error
+    there: OpenAI takes any schema of a tool that is not strict."""
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
     if not body.tools:
         return None
     out = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    forced = fn.get("name") if isinstance(fn, dict) else None  # (checked by forced_tool)
     for i, tool in enumerate(out):
-        if not TOOL_NAME.fullmatch(tool["function"]["name"]):
+        name = tool["function"]["name"]
+        if not TOOL_NAME.fullmatch(name):
             raise bad_request("a function name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"tools[{i}].function.name")
         schema = tool["function"].get("parameters")
         param = f"tools[{i}].function.parameters"
         if schema is not None:
             if schema.get("type", "object") != "object":
                 raise bad_request("parameters must be a JSON schema of type 'object'", param)
-            params.checked(Constraint("json_schema", json.dumps(schema)), param)
+            if choice == "required" or forced == name:
+                params.checked(Constraint("json_schema", json.dumps(schema)), param)
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", "tools")

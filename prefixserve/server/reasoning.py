@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixserve.engine.detok import partial_len
 from prefixserve.models.thinking import CLOSE, OPEN, split_reasoning
 
 # the split itself lives beside the tokenizer: the engine keys a finished turn by the answer alone
@@ -84,7 +85,7 @@ class ReasoningStream:
         if self._state == "think":
             end = self._held.find(CLOSE)
             if end == -1:
-                tag = _partial_len(self._held, CLOSE)  # a tag on its way, and whitespace that may be trailing
+                tag = partial_len(self._held, CLOSE)  # a tag on its way, and whitespace that may be trailing
                 base = self._held[: len(self._held) - tag]
                 keep = tag + len(base) - len(base.rstrip())
                 return self._reasoning(self._held[: len(self._held) - keep], keep), ""
@@ -115,10 +116,3 @@ class ReasoningStream:
         self._said = self._said or bool(text)
         return text
 
-
-def _partial_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

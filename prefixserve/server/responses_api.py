@@ -152,8 +152,11 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
 
 
 def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                              "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice  # "none" / "auto" / "required", or refused by the chat checks
 
 
@@ -186,8 +189,9 @@ def _renamed(e: APIError, num_system: int, num_history: int) -> APIError:
                            ("response_format", "text.format")):
             if e.param == chat or e.param.startswith((chat + ".", chat + "[")):
                 e.param = ours + e.param[len(chat):]
-                if chat.startswith("max_"):  # the message names it too
+                if chat != "messages":  # the message names it too (a message's index is another)
                     e.message = e.message.replace(chat, ours)
                 break
-        e.param = e.param.replace(".function.", ".")
+        if e.param.startswith("tools["):  # a Responses tool is flat: {"type", "name", "parameters"}
+            e.param, e.message = e.param.replace(".function.", "."), e.message.replace(".function.", ".")
     return e

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.engine.detok import partial_len
 from prefixserve.engine.grammar import closed_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -70,8 +71,9 @@ def parse_tool_calls(text: str, setup: ToolSetup, cut: bool = False) -> ParsedRe
     after calls, invalid JSON, unknown names) stays content, unchanged apart from stripping.
     `cut`: max_tokens ended the reply, so an unclosed last tag that does not parse was being written:
     it is an incomplete call where its function's name is complete (as OpenAI returns a call cut by
-    max_tokens: finish_reason length, the arguments written so far), else left out, never returned as
-    call syntax in the content."""
+    max_tokens: finish_reason length, the arguments written so far), left out where it may still have
+    been becoming a call (the start of a known name: never returned as call syntax in the content),
+    and content where it was not (an unknown name, other JSON, other text)."""
     content, calls = _split(text, setup, cut)
     if not calls:
         return ParsedReply(content if cut else text, ())
@@ -104,7 +106,7 @@ class ToolCallStream:
             self._in_call = True
             body = self._held[:i]
         else:
-            body = self._held[: len(self._held) - _partial_tag_len(self._held)]
+            body = self._held[: len(self._held) - partial_len(self._held, OPEN)]
         out = body.rstrip()
         self._held = self._held[len(out):]
         self._shown = self._shown or bool(out)
@@ -235,12 +237,13 @@ def _cut_call(body: str, setup: ToolSetup) -> ToolCallOut | None:
     return ToolCallOut(name=name, arguments=body[m.end():].rstrip() if m.group(2) else "", complete=False)
 
 
-def _partial_tag_len(text: str, tag: str = OPEN) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+def _may_be_call(body: str, setup: ToolSetup) -> bool:
+    """Whether `body`, the text after an open tag that max_tokens cut before a known function's name
+    was whole, may have been becoming a call: whitespace aside, the start of `{"name": "<a known name>"`.
+    (Anything else was the model's text, e.g. a tag it was asked to quote, and stays content.)"""
+    squeezed = "".join(body.split())
+    return any(f'{{"name":{json.dumps(name)}'.startswith(squeezed) for name in setup.names)
+
 
 
 def _split(text: str, setup: ToolSetup, cut: bool = False) -> tuple[str, tuple[ToolCallOut, ...]]:
@@ -254,11 +257,11 @@ def _split(text: str, setup: ToolSetup, cut: bool = False) -> tuple[str, tuple[T
         after = len(text) if end == -1 else end + len(CLOSE)
         body = text[start + len(OPEN) : body_end]
         if end == -1:  # a closing tag cut short is no part of the JSON
-            body = body[: len(body) - _partial_tag_len(body, CLOSE)]
+            body = body[: len(body) - partial_len(body, CLOSE)]
         call = _call_from_json(body, setup)
-        if call is None and cut and end == -1:  # the call being written when max_tokens cut the reply
-            call = _cut_call(text[start + len(OPEN) :], setup)
-            kept.append(text[pos:start])
+        rest = text[start + len(OPEN) :]
+        if call is None and cut and end == -1 and ((call := _cut_call(rest, setup)) or _may_be_call(rest, setup)):
+            kept.append(text[pos:start])  # the call being written when max_tokens cut the reply
             if call is None:
                 pos = after
                 continue

@@ -79,6 +79,55 @@ def test_held_back_text_settles_its_tokens_only_once_it_is_sure(tok: Tokenizer) 
     assert d.num_settled == len(ids)
 
 
+class Chars:
+    """A tokenizer a character a token (tags arrive split, as from a byte-level model)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+TAGS = ("<tool_call>", "</tool_call>")
+
+
+def feed_chars(text: str, stop: tuple[str, ...], skip: tuple[str, str] | None = TAGS) -> tuple[str, str, bool]:
+    """(what streamed before the end, what the whole reply is, stopped)."""
+    d = IncrementalDetokenizer(Chars(), stop, skip)  # type: ignore[arg-type]
+    streamed = ""
+    for ch in text:
+        streamed += d.add(ord(ch))
+        assert d.text.startswith(streamed)
+        if d.stopped:
+            return streamed, streamed, True
+    return streamed, streamed + d.flush(), d.stopped
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": "x\ny"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("text", "stop", "reply"), [
+    # QA: stop "\n" with a forced call returned content "<tool_call>" and no call
+    (CALL, ("\n",), CALL),
+    (CALL, ("tool", '"a"', "}", "<"), CALL),  # in the tags and the JSON alike
+    ("Sure.\n" + CALL + "\nDone.\nMore", ("\n",), "Sure."),  # outside a call it stops as ever
+    ("Sure. " + CALL + " Done.\nMore", ("\n", "Done"), "Sure. " + CALL + " "),
+    ("a <tool_c b", ("<tool",), "a "),  # not a tag after all: the stop string counts
+    ("x <tool_call> y", ("<tool_call>",), "x <tool_call> y"),  # a stop string that is the tag: part of the span
+    ("a <tool", ("<t",), "a "),  # the reply ended on half a tag: the stop string counts
+    ("ab <tool_call> unclosed\nstill in", ("\n",), "ab <tool_call> unclosed\nstill in"),
+])
+def test_stop_strings_do_not_cut_a_tool_call(text: str, stop: tuple[str, ...], reply: str) -> None:
+    streamed, whole, _ = feed_chars(text, stop)
+    assert whole == reply
+    assert feed_chars(text, stop, None)[1] == text[: min(i for s in stop if (i := text.find(s)) != -1)]
+
+
+def test_a_stop_string_waits_while_a_tag_may_be_starting() -> None:
+    d = IncrementalDetokenizer(Chars(), ("\n<",), TAGS)  # type: ignore[arg-type]
+    out = "".join(d.add(ord(ch)) for ch in "hi\n<tool")
+    assert out == "hi" and not d.stopped  # '\n<' may open a call: neither streamed nor a stop yet
+    assert d.add(ord("s")) == "" and d.stopped and d.text == "hi"
+
+
 def generate(engine: AsyncEngine, prompt: str, sp: SamplingParams) -> list[Delta]:
     ids = tuple(engine.core.tokenizer.encode(prompt))
 

@@ -148,6 +148,25 @@ def test_bad_input_names_the_responses_field(client: TestClient, body: dict[str,
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools[0].name", "tools[0].name"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice", "{'type': 'function', 'name': ...}"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "{'type': 'function', 'name': ...}"),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format", "text.format"),
+    ],
+)
+def test_bad_input_is_told_in_the_responses_shape(client: TestClient, body: dict[str, Any], param: str,
+                                                  says: str) -> None:
+    """QA: the messages described the chat shapes (`tools[0].function.name`, `{'type': 'function',
+    'function': {'name': ...}}`, `response_format.json_schema`) to a Responses client."""
+    err = client.post(R, json={"input": "x", **body}, headers=auth()).json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert ".function." not in err["message"] and "response_format" not in err["message"], err
+
+
 def test_an_engine_failure_is_a_500_or_a_response_failed_event(client: TestClient, engine: FakeEngine) -> None:
     engine.fail_with = "boom"
     r = client.post(R, json={"input": "p"}, headers=auth())

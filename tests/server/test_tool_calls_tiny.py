@@ -199,3 +199,49 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client: TestClient, monk
     calls = post(client, body)["choices"][0]["message"]["tool_calls"]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 2, "b": 3}]
     assert [json.loads(c["arguments"]) for c in stream(client, body)[1]] == [{"a": 2, "b": 3}]
+
+
+def test_stop_strings_end_the_text_and_never_cut_a_call(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QA: `stop: ["\\n"]` (or any string inside the call) with a forced call returned the call's
+    first characters as content and no call. A stop string ends the reply's text; inside
+    <tool_call>...</tool_call> it does not match (engine/detok.py), streamed and not."""
+    body = {"messages": ASK, "tools": [ADD], "tool_choice": FORCE_ADD, "max_tokens": 200}
+    whole = post(client, body)["choices"][0]["message"]["tool_calls"][0]["function"]
+    for stop in (["\n"], ["\"a\"", "}", "tool", "<"]):
+        choice = post(client, {**body, "stop": stop})["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, stop
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [whole]
+        content, calls, reason = stream(client, {**body, "stop": stop})
+        assert (content, reason) == ("", "tool_calls") and [(c["name"], c["arguments"]) for c in calls] == [
+            (whole["name"], whole["arguments"])]
+    force_text(monkeypatch, "Let me add.\n" + CALL + "\nDone.\nAnd more.")
+    body = {**body, "tool_choice": "required", "stop": ["\n", "Done"]}
+    choice = post(client, body)["choices"][0]
+    assert choice["message"]["content"] == "Let me add." and choice["message"]["tool_calls"] is None
+    force_text(monkeypatch, "Let me add. " + CALL + " Done.\nAnd more.")
+    choice = post(client, body)["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("Let me add.", "tool_calls")
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [{"a": 2, "b": 3}]
+    content, calls, reason = stream(client, body)
+    assert (content.strip(), reason, len(calls)) == ("Let me add.", "tool_calls", 1)
+    # with tool_choice none nothing is parsed: a stop string stops wherever it is
+    choice = post(client, {**body, "tool_choice": "none", "stop": ["\"a\""]})["choices"][0]
+    assert choice["message"]["tool_calls"] is None
+
+
+def test_only_the_schemas_a_forced_call_is_held_to_must_compile(client: TestClient) -> None:
+    """QA: a tool whose schema has a keyword the grammar lacks (`uniqueItems`, common in MCP tool
+    sets) made every request with it a 400, even under auto or none, or forcing another tool,
+    where nothing is constrained by it. Now only the schemas a forced call's grammar holds the
+    reply to are compiled; OpenAI takes any schema of a tool that is not strict."""
+    tags = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
+    for choice in ("auto", "none", FORCE_ADD):
+        r = post(client, {"messages": ASK, "tools": [ADD, tags], "tool_choice": choice, "max_tokens": 2})
+        assert r["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls"), choice
+    for choice in ("required", {"type": "function", "function": {"name": "tag"}}):
+        r = client.post(CH, json={"model": "tiny", "messages": ASK, "tools": [ADD, tags], "tool_choice": choice,
+                                  "max_tokens": 2}, headers={"Authorization": f"Bearer {KEY}"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", err
+        assert "uniqueItems" in err["message"]

@@ -131,12 +131,17 @@ def test_arguments_are_the_models_own_text(body: str, arguments: str) -> None:
          [("get_weather", '{"city": "Paris"}', True)]),  # only the closing tag was cut: a whole call
         ('<tool_call>{"name": "get_weather", "argu', None, [("get_weather", "", False)]),
         ('Hm <tool_call>{"name": "get_wea', "Hm ", []),  # the name cut: the syntax is left out
-        ('<tool_call>{"name": "unknown", "arguments": {"a', "", []),
+        ('Hm <tool_call>\n{ "name" :', "Hm ", []),  # any call may follow
         ("plain text cut", "plain text cut", []),
+        # not becoming a call of a known function: the model's text, as when no max_tokens cut it
+        # (QA: asked to quote a tag, 25 tokens billed and the content was "")
+        ('<tool_call>{"name": "unknown", "arguments": {"a', '<tool_call>{"name": "unknown", "arguments": {"a', []),
+        ('<tool_call>\n{"description": "x', '<tool_call>\n{"description": "x', []),
+        ("```\n<tool_call>\nquoted text", "```\n<tool_call>\nquoted text", []),
     ],
 )
-def test_a_reply_cut_by_max_tokens_never_returns_call_syntax(text: str, content: str | None,
-                                                              calls: list[tuple[str, str, bool]]) -> None:
+def test_a_reply_cut_by_max_tokens_returns_no_call_being_written_as_content(text: str, content: str | None,
+                                                                          calls: list[tuple[str, str, bool]]) -> None:
     for reply in (parse_tool_calls(text, SETUP, cut=True), _streamed(text)):
         assert [(c.name, c.arguments, c.complete) for c in reply.calls] == calls
         assert (reply.content or "").strip() == (content or "").strip()
