@@ -109,7 +109,7 @@ def sampling_params(
     budget the engine refuses (400). Without one, the server's `--default-max-tokens` applies, capped by
     the room the prompt leaves in the context and in `session_budget_tokens` (the engine's
     `--max-session-bytes` in tokens, not capped by the context), at least 1: a prompt that leaves no room at all
-    is then the engine's 400 naming the prompt alone. `zero_tokens_ok`:
+    is then the engine's 400 naming the prompt alone; a given one past the budget is a 400 naming it. `zero_tokens_ok`:
     max_tokens 0 (completions' echo: the prompt alone, scored with `prompt_logprobs`) is valid.
     `max_tokens_name`: the field the client set it with (chat's max_completion_tokens), for errors.
     `num_choices`: n (best_of): each choice holds the prompt and its tokens in the session budget, so
@@ -124,6 +124,13 @@ def sampling_params(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
             f"Please reduce the length of the prompt or {max_tokens_name}.", max_tokens_name, "context_length_exceeded",
+        )
+    elif num_choices * (prompt_len + max_tokens) > session_budget_tokens and prompt_len < session_budget_tokens:
+        each = f", for each of {num_choices} choices," if num_choices > 1 else ""
+        raise bad_request(  # the prompt alone past the budget: the engine's 400 names the prompt
+            f"the prompt plus {max_tokens_name}{each} needs {num_choices * (prompt_len + max_tokens)} tokens of KV, "
+            f"more than the server's session budget holds ({session_budget_tokens} tokens, --max-session-bytes): "
+            f"lower {max_tokens_name}{' or n' if num_choices > 1 else ''} or shorten the prompt", max_tokens_name,
         )
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= MAX_TEMPERATURE:

@@ -132,7 +132,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "(CORS; an API key is still needed where keys are configured); default none "
            "(PREFIXSERVE_ALLOWED_ORIGINS)")
     a("--cache-max-bytes", type=parse_bytes, metavar="N",
-      help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES)")
+      help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES; default 2G)")
     a("--cache-dir", metavar="PATH",
       help="the disk cache tier's directory (PREFIXSERVE_CACHE_DIR; default <data-dir>/cache)")
     a("--cache-disk-bytes", type=parse_bytes, metavar="N",
@@ -157,9 +157,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--decode-threads", type=int, metavar="N",
       help="threads of the big calls (4-bit and dense matmuls, native attention); back to --num-threads a while "
            "when threads wait for a core (PREFIXSERVE_DECODE_THREADS; default: every usable core; docs/architecture.md)")
-    a("--max-num-seqs", type=int, metavar="N", help="sessions running at once (PREFIXSERVE_MAX_NUM_SEQS)")
-    a("--prefill-chunk-tokens", type=int, metavar="N", help="(PREFIXSERVE_PREFILL_CHUNK_TOKENS)")
-    a("--max-batch-tokens", type=int, metavar="N", help="(PREFIXSERVE_MAX_BATCH_TOKENS)")
+    a("--max-num-seqs", type=int, metavar="N",
+      help="sessions running at once; n choices take n (PREFIXSERVE_MAX_NUM_SEQS; default 64)")
+    a("--prefill-chunk-tokens", type=int, metavar="N",
+      help="prompt tokens a session prefills in one engine step (PREFIXSERVE_PREFILL_CHUNK_TOKENS; default 128; "
+           "docs/architecture.md)")
+    a("--max-batch-tokens", type=int, metavar="N",
+      help="tokens one engine step computes, decode rows + prefill chunks; bounds how long a step keeps the "
+           "others waiting (PREFIXSERVE_MAX_BATCH_TOKENS; default 256; docs/architecture.md)")
     a("--max-queued-requests", type=int, metavar="N",
       help="requests queued beyond the free room (a session slot and session bytes at the next step); past it new "
            "ones get 429 + Retry-After (PREFIXSERVE_MAX_QUEUED_REQUESTS; default 256; docs/architecture.md, \"Admission\")")

@@ -236,6 +236,14 @@ def test_a_default_max_tokens_is_fitted_into_the_session_budget(make_client: Any
     num_sent = len(eng.requests)
     r = client.post("/v1/completions", json={"prompt": "x" * 290, "max_tokens": 11}, headers=auth())
     assert r.status_code == 400 and "session budget" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "max_tokens"  # QA: it named the prompt ("messages" on chat)
+    for path, field, body in (("/v1/chat/completions", "max_completion_tokens", chat_body()),
+                              ("/v1/chat/completions", "max_tokens", chat_body()),
+                              ("/v1/responses", "max_output_tokens", {"input": "hi"})):
+        body = {k: v for k, v in body.items() if k != "max_tokens"}
+        r = client.post(path, json={**body, field: 295}, headers=auth())
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and f"lower {field}" in err["message"], (path, err)
     r = client.post("/v1/completions", json={"prompt": "x" * 300}, headers=auth())  # the prompt alone: no room
     assert r.status_code == 400 and len(eng.requests) == num_sent
 
