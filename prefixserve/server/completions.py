@@ -73,7 +73,8 @@ def prepare_completion(
     shape = CompletionShape(id=new_id("cmpl"), model=model, include_usage=include_usage(body),
                             fingerprint=engine.health().fingerprint,
                             logprobs=None if body.logprobs is None else LogprobRenderer(engine.tokenizer),
-                            echo=tuple((engine.tokenizer.decode(ids), ids[0]) for ids in prompts) if body.echo else (),
+                            echo=tuple((engine.tokenizer.decode(ids, skip_special_tokens=False), ids[0]) for ids in prompts)
+                            if body.echo else (),
                             per_prompt=best_of)
     # a text prompt's client sends the completion back as text, a prompt of ids as ids (engine/inserts.py)
     first = prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, best_of, n,

@@ -11,12 +11,17 @@ UTF-8 where they are valid, else OpenAI's legacy spelling ``bytes:\\xf0\\x9f``: 
 stay distinct keys of a completions top_logprobs dict. A completions `text_offset` counts the
 characters the tokens before it decode to (an unfinished character not yet counted), so offsets
 index into the choice's text and never pass its end, as OpenAI's and vLLM's do.
+
+A control token (`<|im_end|>`, `<|endoftext|>`) has no text in a generated reply (decoding skips it) but
+is named, `token` and `bytes`, by its spelling, as vLLM names it: every such token was `""`, so several in
+one completions top_logprobs dict overwrote each other, and a chat entry could not be told apart. An
+echoed prompt keeps its control tokens in its text (what the client sent), and its offsets count them.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixserve.engine.protocol import TokenizerLike
@@ -36,22 +41,19 @@ class LogprobRenderer:
 
     def __init__(self, tokenizer: TokenizerLike) -> None:
         self._tok = tokenizer
-        self._texts: dict[int, str] = {}
         self._raw: dict[int, bytes] = {}
-
-    def text(self, token_id: int) -> str:
-        """The tokenizer's decoding of the one id (U+FFFD for part of a character): /tokenize's token_strs."""
-        if token_id not in self._texts:
-            self._texts[token_id] = self._tok.decode([token_id])
-        return self._texts[token_id]
 
     def raw(self, token_id: int) -> bytes:
         if token_id not in self._raw:
             self._raw[token_id] = self._tok.token_bytes(token_id)
         return self._raw[token_id]
 
+    def named(self, token_id: int) -> bytes:
+        """The bytes that name the token: its raw bytes, or a control token's spelling."""
+        return self.raw(token_id) or self._tok.decode([token_id], skip_special_tokens=False).encode()
+
     def token(self, token_id: int) -> str:
-        return token_string(self.raw(token_id))
+        return token_string(self.named(token_id))
 
     def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
@@ -63,17 +65,20 @@ class LogprobRenderer:
     def prompt(self, first_id: int, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         """An echoed prompt's part of a completions choice's logprobs: `first_id` (no logprob: null, as
         OpenAI) then `entries`, the prompt's other tokens, offsets from the start of the text."""
-        rest = self._completion([first_id, *(e.token_id for e in entries)], entries, 0)
+        rest = self._completion([first_id, *(e.token_id for e in entries)], entries, 0, in_text=self.named)
         return {"tokens": rest["tokens"], "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": rest["text_offset"]}
 
-    def _completion(self, ids: list[int], entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
-        """`ids`: the tokens, `entries` the logprobs of its last len(entries) ones."""
+    def _completion(self, ids: list[int], entries: Sequence[TokenLogprob], text_offset: int,
+                    in_text: Callable[[int], bytes] | None = None) -> dict[str, Any]:
+        """`ids`: the tokens, `entries` the logprobs of its last len(entries) ones; `in_text`: a token's
+        bytes in the choice's text (default: its raw bytes, none for a control token)."""
+        in_text = in_text or self.raw
         decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds an unfinished character back
         offsets: list[int] = []
         for i in ids:
             offsets.append(text_offset)
-            text_offset += len(decoder.decode(self.raw(i)))
+            text_offset += len(decoder.decode(in_text(i)))
         tops = []
         for e in entries:
             top = {self.token(i): v for i, v in e.top}
@@ -88,4 +93,4 @@ class LogprobRenderer:
         return item
 
     def _item(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.raw(token_id))}
+        return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.named(token_id))}

@@ -75,3 +75,22 @@ def test_http_shapes_with_one_byte_tokens(client: TestClient) -> None:
     lp = r["choices"][0]["logprobs"]
     assert lp["tokens"] == ["bytes:\\xc3", "bytes:\\xa9", "a"]
     assert lp["text_offset"] == [0, 0, 1]  # 'é' is one character, 'a' the second
+
+
+def test_control_tokens_are_named_and_echoed(tok: Tokenizer) -> None:
+    """QA: every control token was `""`, token and bytes, so in a completions top_logprobs dict they
+    overwrote one another (3 alternatives of 5 listed, one with the logprob of another), and an echoed
+    prompt lost them from its text ("Hi<|endoftext|>Bye" came back "HiBye"). They are named by their
+    spelling, as vLLM names them; a generated reply's text still skips them, an echoed prompt's keeps them."""
+    specials = tok.encode("<|im_start|><|im_end|><|endoftext|>")
+    assert len(specials) == 3
+    r = LogprobRenderer(tok)
+    out = r.completion([TokenLogprob(specials[0], -0.5, tuple((s, -1.0 - k) for k, s in enumerate(specials)))], 0)
+    assert out["top_logprobs"] == [{"<|im_start|>": -1.0, "<|im_end|>": -2.0, "<|endoftext|>": -3.0}]
+    [entry] = r.chat([TokenLogprob(specials[1], -0.5, ())])["content"]
+    assert (entry["token"], bytes(entry["bytes"])) == ("<|im_end|>", b"<|im_end|>")
+    ids = tok.encode("Hi<|endoftext|>Bye")
+    echoed = r.prompt(ids[0], entries(ids[1:], []))
+    assert echoed["tokens"] == ["Hi", "<|endoftext|>", "By", "e"] and echoed["text_offset"] == [0, 2, 15, 17]
+    assert r.completion(entries(ids, []), 0)["text_offset"] == [0, 2, 2, 4]  # generated: no text of its own
+

@@ -398,6 +398,17 @@ def test_scoring_a_prompt_as_evaluation_harnesses_do(server: ServerProcess, noca
         assert s_lp is not None and {k: at_end[k] for k in s_lp.top_logprobs[0]} == s_lp.top_logprobs[0]
 
 
+def test_an_echoed_prompt_keeps_its_control_tokens(server: ServerProcess) -> None:
+    """QA: echo gave "HiBye" for "Hi<|endoftext|>Bye" (tokens "Hi", "", "By", "e") and every control
+    token in a top_logprobs dict was the one key "" (tests/server/test_logprobs_bytes.py)."""
+    r = client(server).completions.create(model=model_id(server), prompt="Hi<|endoftext|>Bye", echo=True,
+                                          max_tokens=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    assert lp is not None and r.choices[0].text == "Hi<|endoftext|>Bye" == "".join(lp.tokens)
+    assert lp.tokens == ["Hi", "<|endoftext|>", "By", "e"] and lp.text_offset == [0, 2, 15, 17]
+    assert all(len(top) >= 5 for top in lp.top_logprobs[1:])  # five distinct alternatives, and the token's own
+
+
 @pytest.mark.parametrize(
     ("endpoint", "override", "param"), BAD_CALLS, ids=[p or "none" for _, _, p in BAD_CALLS]
 )
