@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixserve.engine.protocol import EngineClient
@@ -28,12 +28,26 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 _CACHE_GAUGES = {
     "prefixserve_cache_bytes": ("Bytes held by prefix cache entries", ("cache_bytes",)),
     "prefixserve_cache_entries": ("Prefix cache entries", ("cache_entries",)),
-    "prefixserve_cache_evictions": (
+    "prefixserve_cache_evictions": (  # a counter: prefixserve_cache_evictions_total
         "Prefix cache entries evicted since start",
         ("evictions", "cache_evictions"),
     ),
     "prefixserve_cache_hit_ratio": ("Prefix cache lookups that hit", ("hit_ratio", "cache_hit_ratio")),
 }
+
+# engine.metrics() keys that only grow, exported as counters (prefixserve_engine_<key>_total, so that
+# rate() and increase() read them as Prometheus means); the other keys are gauges
+_ENGINE_COUNTERS = frozenset({
+    "requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "completion_tokens",
+    "cache_lookups", "cache_full_hits", "cache_partial_hits", "cache_misses", "cache_insertions", "cache_evictions",
+    "cache_evicted_bytes", "cache_rejected_too_large", "cache_ram_hits", "cache_ram_evictions", "cache_ram_flushed",
+})
+# ... and the lower tiers' (cache_disk_<key>, cache_redis_<key>; cache/tier.py TierCounters and the rest)
+_TIER_COUNTERS = frozenset({
+    "lookups", "hits", "loads", "load_failures", "load_seconds_total", "corrupt_files", "stale_files",
+    "rejected_values", "stale_values", "writes", "write_bytes", "dropped_writes", "write_failures", "evictions",
+    "flushed", "present", "errors",
+})
 
 # help texts of engine.metrics() keys exported as prefixserve_engine_<key> (the others name their key)
 _ENGINE_DOCS = {
@@ -139,7 +153,8 @@ class _EngineCollector(Collector):
             if value is None and name == "prefixserve_cache_hit_ratio":
                 value = _ratio(values)
             if value is not None:
-                yield GaugeMetricFamily(name, doc, value=float(value))
+                family = CounterMetricFamily if name == "prefixserve_cache_evictions" else GaugeMetricFamily
+                yield family(name, doc, value=float(value))
         yield GaugeMetricFamily(
             "prefixserve_cache_token_hit_ratio",
             "Cached prompt tokens / prompt tokens over finished requests",
@@ -150,10 +165,9 @@ class _EngineCollector(Collector):
                 value = float(values[key])
             except (TypeError, ValueError):
                 continue
-            yield GaugeMetricFamily(
-                f"prefixserve_engine_{_metric_name(key)}", _ENGINE_DOCS.get(key, f"engine.metrics()[{key!r}]"),
-                value=value,
-            )
+            family = CounterMetricFamily if _is_counter(key) else GaugeMetricFamily
+            yield family(f"prefixserve_engine_{_metric_name(key)}", _ENGINE_DOCS.get(key, f"engine.metrics()[{key!r}]"),
+                         value=value)
         try:
             health = self._engine.health()
         except Exception:
@@ -184,6 +198,11 @@ def _ratio(values: dict[str, float]) -> float | None:
             total = float(values[hits_key]) + float(values[misses_key])
             return float(values[hits_key]) / total if total else 0.0
     return None
+
+
+def _is_counter(key: str) -> bool:
+    tier = key.removeprefix("cache_disk_").removeprefix("cache_redis_")
+    return key in _ENGINE_COUNTERS or (tier != key and tier in _TIER_COUNTERS)
 
 
 def _metric_name(key: str) -> str:

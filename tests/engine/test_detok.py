@@ -117,7 +117,7 @@ CALL = '<tool_call>\n{"name": "f", "arguments": {"a": "x\ny"}}\n</tool_call>'
 ])
 def test_stop_strings_do_not_cut_a_tool_call(text: str, stop: tuple[str, ...], reply: str) -> None:
     streamed, whole, _ = feed_chars(text, stop)
-    assert whole == reply
+    assert whole == reply and whole.startswith(streamed)
     assert feed_chars(text, stop, None)[1] == text[: min(i for s in stop if (i := text.find(s)) != -1)]
 
 

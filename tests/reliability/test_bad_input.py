@@ -83,7 +83,7 @@ def test_every_malformed_request_gets_an_openai_4xx_and_the_server_stays_healthy
     after = scrape(main)
     assert count_5xx(after) == count_5xx(before)
     # Nothing malformed reached the engine: the one good request is all it saw.
-    assert after["prefixserve_engine_requests"] - before["prefixserve_engine_requests"] == 1
+    assert after["prefixserve_engine_requests_total"] - before["prefixserve_engine_requests_total"] == 1
     print(f"\nbad input: {len(CASES)} distinct malformed requests, all OpenAI-shaped 4xx, server healthy")
 
 

@@ -159,7 +159,7 @@ def test_disconnects_free_their_sessions_and_nothing_grows(main: Target) -> None
     def delta(name: str, start: dict[str, float] = m0) -> float:
         return m1.get(name, 0.0) - start.get(name, 0.0)
 
-    reached = delta("prefixserve_engine_requests")
+    reached = delta("prefixserve_engine_requests_total")
     aborted = delta("prefixserve_requests_finished_total{finish_reason=abort}")
     print(f"\nfaults (seed {seed}): {len(cases)} disconnects ({per_kind} per kind) after {len(warm)} warm-up; "
           f"{int(reached)} reached the engine, {int(aborted)} counted aborted; prefill of {PREFILL_IDS} tokens "
@@ -169,25 +169,25 @@ def test_disconnects_free_their_sessions_and_nothing_grows(main: Target) -> None
     busy = per_kind  # the long prompts that keep the engine busy for `queued` finish normally
     assert per_kind * 2 + busy <= reached <= len(cases) + busy  # mid_stream, mid_prefill and busy certainly reach it
     assert aborted == reached - busy, "every disconnect that reached the engine must be counted as aborted"
-    assert delta("prefixserve_engine_completion_tokens") >= per_kind * 2  # mid_stream: >= 2 each
+    assert delta("prefixserve_engine_completion_tokens_total") >= per_kind * 2  # mid_stream: >= 2 each
     # Prefill was really cut short: fewer prompt tokens computed than the mid-prefill prompts alone hold
     # (beside the busy prompts, computed whole).
-    assert delta("prefixserve_engine_computed_prompt_tokens") < per_kind * PREFILL_IDS + busy * PREFILL_IDS
+    assert delta("prefixserve_engine_computed_prompt_tokens_total") < per_kind * PREFILL_IDS + busy * PREFILL_IDS
     assert rss <= base_rss * 1.10, f"RSS grew from {base_rss} to {rss} bytes"
     assert max_cache_bytes <= MAIN_CACHE_BYTES
     assert m1["prefixserve_requests_in_flight"] == 0
     # The ledger holds one record per request the engine saw (calibration and warm-up included).
     ledger = usage_totals(main, "faults", since)
-    assert ledger["num_model_requests"] == delta("prefixserve_engine_requests", m_start)
+    assert ledger["num_model_requests"] == delta("prefixserve_engine_requests_total", m_start)
     # ... each billed with what the engine computed for it (worker truth, aborts included)
-    engine_prompt = delta("prefixserve_engine_cached_tokens", m_start) + delta(
-        "prefixserve_engine_computed_prompt_tokens", m_start)
+    engine_prompt = delta("prefixserve_engine_cached_tokens_total", m_start) + delta(
+        "prefixserve_engine_computed_prompt_tokens_total", m_start)
     print(f"ledger: {ledger}; engine: prompt {engine_prompt:.0f} (cached "
-          f"{delta('prefixserve_engine_cached_tokens', m_start):.0f}), completion "
-          f"{delta('prefixserve_engine_completion_tokens', m_start):.0f}")  # fmt: skip
-    assert ledger["input_tokens"] == engine_prompt == delta("prefixserve_engine_prompt_tokens", m_start)
-    assert ledger["input_cached_tokens"] == delta("prefixserve_engine_cached_tokens", m_start)
-    assert ledger["output_tokens"] == delta("prefixserve_engine_completion_tokens", m_start)
+          f"{delta('prefixserve_engine_cached_tokens_total', m_start):.0f}), completion "
+          f"{delta('prefixserve_engine_completion_tokens_total', m_start):.0f}")  # fmt: skip
+    assert ledger["input_tokens"] == engine_prompt == delta("prefixserve_engine_prompt_tokens_total", m_start)
+    assert ledger["input_cached_tokens"] == delta("prefixserve_engine_cached_tokens_total", m_start)
+    assert ledger["output_tokens"] == delta("prefixserve_engine_completion_tokens_total", m_start)
     assert health(main)["ok"]
 
 
@@ -236,8 +236,8 @@ def test_cache_budget_far_below_one_prompt_still_serves_correct_answers(main: Ta
     after = scrape(tiny)
     assert after["prefixserve_cache_bytes"] == 0 and after["prefixserve_cache_entries"] == 0
     assert (
-        after["prefixserve_engine_cache_rejected_too_large"]
-        > before["prefixserve_engine_cache_rejected_too_large"]
+        after["prefixserve_engine_cache_rejected_too_large_total"]
+        > before["prefixserve_engine_cache_rejected_too_large_total"]
     )
     assert after["prefixserve_cached_prompt_tokens_total"] == before["prefixserve_cached_prompt_tokens_total"]
 

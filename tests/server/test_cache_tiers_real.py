@@ -49,7 +49,7 @@ def metric(srv: ServerProcess, name: str) -> float:
 
 def wait_for_writes(srv: ServerProcess, num: int) -> None:
     deadline = time.monotonic() + 60
-    while metric(srv, "prefixserve_engine_cache_disk_writes") < num:
+    while metric(srv, "prefixserve_engine_cache_disk_writes_total") < num:
         assert time.monotonic() < deadline, "write-through did not land"
         time.sleep(0.2)
 
@@ -72,15 +72,15 @@ def test_warm_restart_isolation_corruption_and_flush(tmp_path: Path) -> None:
         assert complete(srv, KEY_A, P1, salt="s")[1] == 0  # another salt misses
         text, cached, n2 = complete(srv, KEY_A, P2, salt="s")
         assert (text, cached) == (r2, n2)
-        assert metric(srv, "prefixserve_engine_cache_disk_loads") == 2
+        assert metric(srv, "prefixserve_engine_cache_disk_loads_total") == 2
         assert metric(srv, "prefixserve_engine_cache_disk_load_seconds_total") > 0
         # per tier (docs/cache.md, "Metrics"): both disk loads were RAM hits once re-inserted
-        assert metric(srv, "prefixserve_engine_cache_disk_hits") == 2
-        assert metric(srv, "prefixserve_engine_cache_ram_hits") >= 2
+        assert metric(srv, "prefixserve_engine_cache_disk_hits_total") == 2
+        assert metric(srv, "prefixserve_engine_cache_ram_hits_total") >= 2
         assert metric(srv, "prefixserve_engine_cache_disk_load_seconds_max") > 0
         for tier in ("disk", "ram"):
             assert metric(srv, f"prefixserve_engine_cache_{tier}_bytes") > 0
-            assert metric(srv, f"prefixserve_engine_cache_{tier}_evictions") == 0
+            assert metric(srv, f"prefixserve_engine_cache_{tier}_evictions_total") == 0
         wait_for_writes(srv, 2)  # bob's and salt s's P1 entries
         assert srv.proc is not None
         srv.proc.send_signal(signal.SIGKILL)
@@ -109,7 +109,7 @@ def test_warm_restart_isolation_corruption_and_flush(tmp_path: Path) -> None:
         assert (text, cached) == (r1, n)
         assert complete(srv, KEY_A, P2, salt="s") == (r2, 0, n2)  # corrupt file dropped, answer recomputed
         assert complete(srv, KEY_A, P1, salt="s") == (r1, 0, n)  # truncated: dropped by the start-up scan
-        assert metric(srv, "prefixserve_engine_cache_disk_corrupt_files") == 1 + len(truncated)
+        assert metric(srv, "prefixserve_engine_cache_disk_corrupt_files_total") == 1 + len(truncated)
         assert all(f"dropping {name}" in srv.log_text() for name in [flipped, *truncated])
 
         r = httpx.request("DELETE", srv.openai_url + "/cache", headers={"Authorization": f"Bearer {KEY_A}"})

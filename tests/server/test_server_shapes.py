@@ -466,10 +466,13 @@ def test_metrics_text(client: TestClient) -> None:
     assert "prefixserve_completion_tokens_total 6.0" in text
     assert "prefixserve_cache_bytes 200.0" in text
     assert "prefixserve_cache_entries 2.0" in text
-    assert "prefixserve_cache_evictions 0.0" in text
+    assert "prefixserve_cache_evictions_total 0.0" in text  # only grows: a counter
+    assert "# TYPE prefixserve_cache_bytes gauge" in text
     assert "prefixserve_cache_hit_ratio 0.25" in text
     assert "prefixserve_cache_token_hit_ratio 0.3333" in text
     assert "prefixserve_engine_weird_key_name 7.0" in text
+    assert "prefixserve_engine_cache_misses_total 3.0" in text  # an engine total is a counter ...
+    assert "# TYPE prefixserve_engine_cache_entries gauge" in text  # ... a level is not
     assert "prefixserve_time_to_first_token_seconds_bucket" in text
     assert "prefixserve_inter_token_latency_seconds_count 4.0" in text
     assert "prefixserve_requests_in_flight 0.0" in text

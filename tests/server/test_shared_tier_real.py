@@ -64,7 +64,7 @@ def stream(srv: ServerProcess, prompt: str, first: threading.Event | None = None
 
 def metric(srv: ServerProcess, name: str) -> float:
     for line in srv.metrics().splitlines():
-        if line.startswith(f"prefixserve_engine_cache_redis_{name} "):
+        if line.startswith((f"prefixserve_engine_cache_redis_{name} ", f"prefixserve_engine_cache_redis_{name}_total ")):
             return float(line.split()[1])
     raise AssertionError(f"redis_{name} not in /metrics")
 
