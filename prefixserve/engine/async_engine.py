@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from prefixserve.engine import admission, control, metrics_snapshot
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
+from prefixserve.engine.refill import EagerShare
 from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.engine.streams import Streams
 from prefixserve.engine.torch_thread import TorchThread, release_free_memory
@@ -61,6 +62,7 @@ class AsyncEngine:
         # the inbox's requests and the core's room: what waits, what is queued (engine/admission.py)
         self._admission = admission.AdmissionQueue(admission.room(core))
         self._wake = threading.Event()
+        self._eager = EagerShare()  # a busy engine's time for eager turn refills (engine/refill.py)
         self._streams = Streams()
         self._accepting = True
         self._stop = False
@@ -149,8 +151,7 @@ class AsyncEngine:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     async def flush_cache(self, scope: FlushScope) -> FlushReport:
-        """Forget the namespaces `scope` selects in every tier; runs on the engine thread between
-        steps (all cache mutation happens there). The caller has checked who may flush what."""
+        """Forget what `scope` selects in every tier, on the engine thread (the caller checked who may)."""
         fut: Future[FlushReport] = Future()
         self._submit("call", (lambda: self.core.flush(scope), fut))
         return await asyncio.wrap_future(fut)
@@ -244,8 +245,7 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def _mutating(self) -> Iterator[None]:
-        """The engine thread's hold on the core: its lock, and the snapshot /metrics reads republished
-        before it is let go (also when the work raised)."""
+        """The engine thread's hold on the core: its lock; /metrics' snapshot republished as it is let go."""
         with self._core_lock:
             try:
                 yield
@@ -274,9 +274,11 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
+                    started = time.monotonic()
                     with self._mutating():
                         self.core.step()
                     failed_in_a_row, worked, last_work = 0, True, time.monotonic()
+                    self._eager.after_step(last_work - started, lambda: self._background(eager=True))
                 except Exception as e:  # a bug or OOM in one batch: isolate it, keep serving the rest
                     failed_in_a_row += 1
                     message = f"{type(e).__name__}: {e}"
@@ -292,12 +294,12 @@ class AsyncEngine:
             log.exception("the engine loop stopped")
             self._die(f"{type(e).__name__}: {e}")
 
-    def _background(self) -> bool:
-        """One layer of background work while no request waits (engine/refill.py); False when there is
+    def _background(self, eager: bool = False) -> bool:
+        """One layer of background work while idle, or `eager` between steps (engine/refill.py); False when
         none. A failure drops the background work (a cache optimisation) and serving goes on."""
         try:
             with self._mutating():
-                return self.core.background()
+                return self.core.background(eager)
         except Exception:
             log.exception("a turn refill failed; pending refills dropped")
             with self._mutating():

@@ -155,8 +155,11 @@ class EngineCore:
         engine loop runs them, a layer at a time, only while this is False (`background`)."""
         return bool(self.waiting or self.running or self.loads)
 
-    def background(self) -> bool:
-        """One layer of background work (a turn refill, engine/refill.py); False when there is none."""
+    def background(self, eager: bool = False) -> bool:
+        """One layer of background work (a turn refill, engine/refill.py); False when there is none.
+        `eager`: only work towards an eager refill (the engine loop's share of a busy engine's time)."""
+        if eager:
+            return self.refills.run_eager_layer()
         if not self.refills:
             return False
         self.refills.run_layer()

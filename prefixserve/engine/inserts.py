@@ -128,9 +128,9 @@ def offer_turn(core: EngineCore, s: Session) -> None:
             st.truncate(same)
             store(core, ns, key, st)
         elif st.truncatable:
-            core.refills.offer(ns, key, st, same)
+            core.refills.offer(ns, key, st, same, s.request.continues)
         elif (start := resume_state(core, ns, key, same)) is not None and start.num_tokens < len(key):
-            core.refills.offer(ns, key, start, start.num_tokens)
+            core.refills.offer(ns, key, start, start.num_tokens, s.request.continues)
         return
     turn = prompt + tuple(s.output_ids)
     if core.cache.get(ns, turn) is not None or core.refills.holds(ns, turn):
@@ -139,7 +139,7 @@ def offer_turn(core: EngineCore, s: Session) -> None:
         store(core, ns, turn[: st.num_tokens], st)  # exact as it is: cached now, however busy the engine
     # decode never fed the reply's last token (<|im_end|>): a refill feeds it, in the background (dense),
     # or the whole reply (4-bit); under load the oldest pending refill is dropped (engine/refill.py)
-    core.refills.offer(ns, turn, st, st.num_tokens if dense else s.prompt_len)
+    core.refills.offer(ns, turn, st, st.num_tokens if dense else s.prompt_len, s.request.continues)
 
 
 def next_turn_key(core: EngineCore, s: Session) -> tuple[int, ...] | None:

@@ -132,6 +132,7 @@ class TurnRefill:
     namespace: Namespace
     token_ids: tuple[int, ...]
     state: SessionState
+    eager: bool = False  # a turn of a conversation under way: re-fed under load too (engine/refill.py)
 
 
 def tokens_needed(request: Request, max_model_len: int) -> int:

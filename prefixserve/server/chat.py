@@ -89,7 +89,8 @@ def prepare_chat(
     # how the client's next request will hold this reply: the cache keys the finished turn so (docs/cache.md)
     drop, lead, end = engine.tokenizer.history_form(kwargs)
     history = HistoryForm(drop, lead, thinking, end) if drop or lead or thinking is not None or end is not None else None
-    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n, history=history)
+    return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n, history=history,
+                    continues=any(m["role"] == "assistant" for m in messages))
 
 
 def thinking_start(engine: EngineClient, prompt_ids: list[int]) -> bool | None:

@@ -88,10 +88,11 @@ def prepare_completion(
 def prepared(
     engine: EngineClient, body: Any, prompt_ids: list[int], sampling: SamplingParams, tenant_id: str,
     salt: str, shape: Shape, num_choices: int = 1, num_returned: int | None = None, history: HistoryForm | None = None,
-    text_history: bool = True,
+    text_history: bool = True, continues: bool = False,
 ) -> Prepared:
     """The engine Request (namespace from the tenant and salt alone) and the response shape;
-    `history`, `text_history`: how the client's next request holds the reply (types.Request)."""
+    `history`, `text_history`: how the client's next request holds the reply; `continues`: the prompt
+    holds an earlier reply (types.Request)."""
     request = Request(
         request_id=shape.id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),
@@ -100,6 +101,7 @@ def prepared(
         num_choices=num_choices,
         text_history=text_history,
         history=history,
+        continues=continues,
     )
     return Prepared(request=request, shape=shape, stream=bool(body.stream), tenant_id=tenant_id,
                     num_returned=num_returned if num_returned != num_choices else None)

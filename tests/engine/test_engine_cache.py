@@ -239,7 +239,7 @@ def test_a_repeated_turn_pending_its_refill_is_not_queued_again(monkeypatch):
     offered: list[int] = []
     orig_offer = engine.core.refills.offer
     monkeypatch.setattr(engine.core.refills, "offer", lambda n, ids, *a: (offered.append(len(ids)), orig_offer(n, ids, *a)))
-    monkeypatch.setattr(engine.core, "background", lambda: False)  # the refill waits until released
+    monkeypatch.setattr(engine.core, "background", lambda eager=False: False)  # the refill waits until released
     ids = tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi! Who are you?"}])
 
     async def go():
