@@ -121,8 +121,8 @@ class Request:
     # ids, whose client sends the ids back). engine/inserts.py offer_turn
     text_history: bool = True
     history: HistoryForm | None = None  # a chat's: how its template writes the reply back (None: as it follows the prompt)
-    # the prompt holds an earlier reply of its conversation (a chat with an assistant turn): its own reply is
-    # likely to be continued too, so its turn refill runs under load as well (engine/refill.py EagerShare)
+    # likely to be continued: the prompt holds an earlier reply (a chat with an assistant turn), or offers tools
+    # (a call's result comes back in the next turn), so its turn refill runs under load too (engine/refill.py)
     continues: bool = False
 
     def __post_init__(self) -> None:

@@ -12,8 +12,8 @@ whole store. When the chat's next message arrives first, its admission finishes 
 
 A busy engine is never idle, so under load (other users decoding) no refill ran and a conversation's
 next turn hit only its previous prompt (QA: 39 of 42 follow-up turns of 6 users). An eager refill, a
-turn of a conversation already under way (`Request.continues`: its prompt held an earlier reply), so
-likely to be continued, also runs while the engine serves: after each step, one layer at a time,
+turn likely to be continued (`Request.continues`: its prompt held an earlier reply, or offered tools,
+whose results come back in the next turn) also runs while the engine serves: after each step, one layer at a time,
 within EAGER_SHARE of the steps' time (`EagerShare`). That work is moved earlier, not added, when the
 conversation goes on; a one-shot request's refill still waits for an idle engine.
 """

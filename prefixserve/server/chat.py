@@ -90,7 +90,7 @@ def prepare_chat(
     drop, lead, end = engine.tokenizer.history_form(kwargs)
     history = HistoryForm(drop, lead, thinking, end) if drop or lead or thinking is not None or end is not None else None
     return prepared(engine, body, prompt_ids, sampling, tenant_id, salt, shape, n, history=history,
-                    continues=any(m["role"] == "assistant" for m in messages))
+                    continues=setup is not None or any(m["role"] == "assistant" for m in messages))
 
 
 def thinking_start(engine: EngineClient, prompt_ids: list[int]) -> bool | None:

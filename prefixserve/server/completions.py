@@ -91,8 +91,8 @@ def prepared(
     text_history: bool = True, continues: bool = False,
 ) -> Prepared:
     """The engine Request (namespace from the tenant and salt alone) and the response shape;
-    `history`, `text_history`: how the client's next request holds the reply; `continues`: the prompt
-    holds an earlier reply (types.Request)."""
+    `history`, `text_history`: how the client's next request holds the reply; `continues`: the reply is
+    likely to be continued (types.Request)."""
     request = Request(
         request_id=shape.id,
         namespace=params.namespace(engine.model_id, tenant_id, salt),

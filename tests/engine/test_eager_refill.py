@@ -4,7 +4,7 @@ turn hits prompt + reply; a one-shot request's refill still waits for an idle en
 
 QA: 6 users of one system prompt, 8 turns each, 0-1 s between turns: 36 of 42 follow-up turns hit
 only their previous prompt (the engine, decoding for the others, was never idle); with eager
-refills 11 of the 36 that follow an assistant turn did, the stream of a 7th client p50 59.5 -> 63.2 ms
+refills 10 of the 36 that follow an assistant turn did, the stream of a 7th client p50 59.5 -> 63.2 ms
 between tokens."""
 
 from __future__ import annotations

@@ -549,3 +549,20 @@ def test_an_assistant_refusal_part_is_its_text(client: TestClient, engine: FakeE
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, headers=auth())
     assert r.status_code == 200, r.text
     assert "<assistant>I can't help with that.\n" in engine.tokenizer.decode(engine.requests[-1].prompt_ids)
+
+
+def test_a_turn_likely_to_be_continued_is_marked_for_an_eager_refill(client: TestClient, engine: FakeEngine) -> None:
+    """Request.continues (engine/refill.py): a chat whose history holds a reply, or that offers tools
+    (a call's result comes back), is likely to be continued; a one-shot question, a completion, or
+    tools with tool_choice none are not."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    cases = [("/v1/chat/completions", chat_body(), False),
+             ("/v1/chat/completions", {**chat_body(), "messages": history}, True),
+             ("/v1/chat/completions", chat_body(tools=tools), True),
+             ("/v1/chat/completions", chat_body(tools=tools, tool_choice="none"), False),
+             ("/v1/completions", {"prompt": "a", "max_tokens": 2}, False),
+             ("/v1/responses", {"input": history}, True)]
+    for path, body, continues in cases:
+        assert client.post(path, json=body, headers=auth()).status_code == 200, body
+        assert engine.requests[-1].continues is continues, body
