@@ -33,6 +33,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD, TAIL = OPEN + "\n", "\n" + CLOSE  # around a call's JSON object (`call_text`)
 ITEM_SEP, KEY_SEP = ", ", ": "  # the templates' `tojson` (json.dumps' defaults), and the forced grammar's
 _DECODER = json.JSONDecoder()
+CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]+)')  # a function name (chat.TOOL_NAME's) cut short
 CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(,\s*"(?:arguments|parameters)"\s*:\s*)?')
 
 
@@ -224,9 +225,14 @@ def _arguments_text(args: Any) -> str:
 
 def _cut_call(body: str, setup: ToolSetup) -> ToolCallOut | None:
     """A call cut by max_tokens, from its name and the arguments' JSON so far (name first, as the
-    forced-call grammar writes it); None when the name is not complete or not a known function."""
+    forced-call grammar writes it); None when the name is not complete or not a known function. A
+    name cut before its closing quote is complete where it is a known function's and begins no other's."""
     m = CUT_CALL.match(body)
     if m is None:
+        if (cut := CUT_NAME.fullmatch(body)) is not None:
+            name = cut.group(1)
+            if name in setup.names and not any(n != name and n.startswith(name) for n in setup.names):
+                return ToolCallOut(name=name, arguments="", complete=False)
         return None
     try:
         name = json.loads(f'"{m.group(1)}"')

@@ -21,6 +21,7 @@ from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.engine.refill import EagerShare
 from prefixserve.types import Namespace, Request, SamplingParams
 from tests.conftest import load_embedded
+from tests.helpers.engine_run import assert_fresh_prefill
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +63,9 @@ def test_a_continued_conversations_turn_is_refilled_while_the_engine_is_busy(con
     assert bool(core.refills) is not continues  # a one-shot request's refill waits for an idle engine
     if continues:
         assert steps < 60  # a share of each step: done within a few dozen decode steps, not at the end
-        entry = [e.token_ids for e in core.cache.entries(NS) if len(e.token_ids) > len(chat)]
-        assert entry and entry[0][: len(chat)] == tuple(chat)  # prompt + reply, cached
+        [entry] = [e for e in core.cache.entries(NS) if len(e.token_ids) > len(chat)]
+        assert entry.token_ids[: len(chat)] == tuple(chat)  # prompt + reply, cached ...
+        assert_fresh_prefill(core.runner, entry.state, entry.token_ids, 128)  # ... bit for bit as prefilled
 
 
 def test_the_share_bounds_the_time_spent_between_steps() -> None:

@@ -131,6 +131,7 @@ def test_arguments_are_the_models_own_text(body: str, arguments: str) -> None:
          [("get_weather", '{"city": "Paris"}', True)]),  # only the closing tag was cut: a whole call
         ('<tool_call>{"name": "get_weather", "argu', None, [("get_weather", "", False)]),
         ('Hm <tool_call>{"name": "get_wea', "Hm ", []),  # the name cut: the syntax is left out
+        ('<tool_call>\n{"name": "get_weather', None, [("get_weather", "", False)]),  # a known name, unclosed
         ('Hm <tool_call>\n{ "name" :', "Hm ", []),  # any call may follow
         ("plain text cut", "plain text cut", []),
         # not becoming a call of a known function: the model's text, as when no max_tokens cut it
