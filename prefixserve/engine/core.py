@@ -152,7 +152,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Requests to serve (waiting, running, loading). Turn refills are background work: the
-        engine loop runs them, a layer at a time, only while this is False (`background`)."""
+        engine loop runs them a layer at a time while this is False, eager ones between steps too."""
         return bool(self.waiting or self.running or self.loads)
 
     def background(self, eager: bool = False) -> bool:

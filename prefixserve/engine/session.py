@@ -125,7 +125,7 @@ class TurnRefill:
     With 4-bit decode rows a decoded token's KV has other bits than prefilling it would give, so the
     session's own state is not offered as it is. Instead (docs/exactness.md):
     # [0, num_tokens)            exact: the prompt's KV (prefilled, or copied from a cache entry)
-    # [num_tokens, len(ids))     re-fed in prefill chunks while the engine idles (engine/refill.py);
+    # [num_tokens, len(ids))     re-fed in prefill chunks in the background (engine/refill.py);
     #                            then the whole turn (prompt + reply) is inserted, exact by construction
     """
 
