@@ -113,11 +113,14 @@ class TurnRefills:
         if not any(r.eager for r in self._queue):
             return False
         if self._job is None:
-            first = next(r for r in self._queue if r.eager)
-            self._queue.remove(first)
-            self._queue.appendleft(first)
+            self._to_front(next(r for r in self._queue if r.eager))
         self.run_layer()
         return True
+
+    def _to_front(self, r: TurnRefill) -> None:
+        """`r` becomes the refill `run_layer` works on next (between jobs: one under way is at the front)."""
+        self._queue.remove(r)
+        self._queue.appendleft(r)
 
     def holds(self, ns: Namespace, token_ids: tuple[int, ...]) -> bool:
         """Whether this very turn is pending (the same request again, finished before its refill ran)."""
@@ -140,8 +143,7 @@ class TurnRefills:
             if self._job is not None and self._job[0] is not r:
                 while self._job is not None:  # another refill's chunk or store is under way: finish it first
                     self.run_layer()
-            self._queue.remove(r)
-            self._queue.appendleft(r)
+            self._to_front(r)
             while r in self._queue:
                 self.run_layer()
             same = lcp(prompt_ids, r.token_ids)

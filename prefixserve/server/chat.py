@@ -126,8 +126,7 @@ def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str,
     if not body.tools:
         return None
     out = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    forced = fn.get("name") if isinstance(fn, dict) else None  # (checked by forced_tool)
+    forced = named_function(choice)  # (checked by forced_tool)
     for i, tool in enumerate(out):
         name = tool["function"]["name"]
         if not TOOL_NAME.fullmatch(name):
@@ -145,6 +144,13 @@ def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str,
     return out
 
 
+def named_function(choice: Any) -> str | None:
+    """The function a `{'type': 'function', 'function': {'name': ...}}` tool_choice names, else None."""
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def forced_tool(body: ChatCompletionRequest, tool_list: list[dict[str, Any]] | None) -> str | None:
     """None: the model may answer freely; "": it must call one of the tools ('required'); a name: it
     must call that function."""
@@ -156,9 +162,8 @@ def forced_tool(body: ChatCompletionRequest, tool_list: list[dict[str, Any]] | N
     if choice == "required":
         return ""
     assert isinstance(choice, dict)
-    fn = choice.get("function")
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if choice.get("type") != "function" or not isinstance(name, str):
+    name = named_function(choice)
+    if choice.get("type") != "function" or name is None:
         raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
     if name not in {t["function"]["name"] for t in tool_list}:
         raise bad_request(f"tool_choice names an unknown function {name[:64]!r}", "tool_choice")

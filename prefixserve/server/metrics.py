@@ -24,15 +24,17 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/mo
              "/detokenize", "/health", "/metrics")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-# engine.metrics() keys exported under stable names (first key present wins).
-_CACHE_GAUGES = {
-    "prefixserve_cache_bytes": ("Bytes held by prefix cache entries", ("cache_bytes",)),
-    "prefixserve_cache_entries": ("Prefix cache entries", ("cache_entries",)),
-    "prefixserve_cache_evictions": (  # a counter: prefixserve_cache_evictions_total
+# engine.metrics() keys exported under stable names (first key present wins), gauges or counters (_total)
+_CACHE_FIGURES = {
+    "prefixserve_cache_bytes": ("Bytes held by prefix cache entries", ("cache_bytes",), GaugeMetricFamily),
+    "prefixserve_cache_entries": ("Prefix cache entries", ("cache_entries",), GaugeMetricFamily),
+    "prefixserve_cache_evictions": (
         "Prefix cache entries evicted since start",
         ("evictions", "cache_evictions"),
+        CounterMetricFamily,
     ),
-    "prefixserve_cache_hit_ratio": ("Prefix cache lookups that hit", ("hit_ratio", "cache_hit_ratio")),
+    "prefixserve_cache_hit_ratio": ("Prefix cache lookups that hit", ("hit_ratio", "cache_hit_ratio"),
+                                    GaugeMetricFamily),
 }
 
 # engine.metrics() keys that only grow, exported as counters (prefixserve_engine_<key>_total, so that
@@ -148,12 +150,11 @@ class _EngineCollector(Collector):
         except Exception:
             logger.exception("engine.metrics() failed")
             values = {}
-        for name, (doc, keys) in _CACHE_GAUGES.items():
+        for name, (doc, keys, family) in _CACHE_FIGURES.items():
             value = next((values[k] for k in keys if k in values), None)
             if value is None and name == "prefixserve_cache_hit_ratio":
                 value = _ratio(values)
             if value is not None:
-                family = CounterMetricFamily if name == "prefixserve_cache_evictions" else GaugeMetricFamily
                 yield family(name, doc, value=float(value))
         yield GaugeMetricFamily(
             "prefixserve_cache_token_hit_ratio",

@@ -251,7 +251,6 @@ def _may_be_call(body: str, setup: ToolSetup) -> bool:
     return any(f'{{"name":{json.dumps(name)}'.startswith(squeezed) for name in setup.names)
 
 
-
 def _split(text: str, setup: ToolSetup, cut: bool = False) -> tuple[str, tuple[ToolCallOut, ...]]:
     """The text outside the calls (as it is) and the calls."""
     calls: list[ToolCallOut] = []
