@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.engine.protocol import EngineClient
+from prefixserve.engine.protocol import EngineClient, InvalidRequest
 from prefixserve.server.errors import SHUTTING_DOWN, APIError, unavailable
 from prefixserve.server.multi import Usages, generate_all
 from prefixserve.server.responses import ChoiceOutput, Prepared
@@ -70,6 +70,10 @@ async def respond(
         await aclose_shielded(engine_iter)  # the abort's own usage first: what was really computed
         tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except InvalidRequest as e:  # the engine counts choices; a completion's best_of is what it samples
+        if e.param == "n" and prepared.num_returned is not None:
+            raise InvalidRequest(str(e), "best_of") from None
+        raise
     except EndedByServer as e:  # billed as a client's abort is: what was computed
         await aclose_shielded(engine_iter)
         tracker.finish(FinishReason.ABORT.value, await usages.final(engine, prepared.requests))

@@ -220,7 +220,8 @@ def response_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
         raise bad_request("response_format type must be 'text', 'json_object' or 'json_schema'", "response_format")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise bad_request("response_format.json_schema needs a 'name' and a 'schema'", "response_format.json_schema")
+        raise bad_request("response_format.json_schema needs a 'name' (without a 'schema', any JSON object)",
+                          "response_format.json_schema")
     schema = spec.get("schema", {"type": "object"})
     if not isinstance(schema, dict):
         raise bad_request("the schema must be a JSON object", "response_format.json_schema.schema")

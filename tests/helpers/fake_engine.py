@@ -78,9 +78,10 @@ class FakeEngine:
 
     def __init__(
         self, model_id: str = "fake-model", max_model_len: int = 512, token_delay: float = 0.0,
-        max_session_tokens: int | None = None,
+        max_session_tokens: int | None = None, max_num_seqs: int | None = None,
     ) -> None:
         self.model_id = model_id
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_session_tokens = max_model_len if max_session_tokens is None else max_session_tokens
         self.session_budget_tokens = 1 << 30 if max_session_tokens is None else max_session_tokens  # 4 GiB's, roughly
@@ -104,6 +105,8 @@ class FakeEngine:
             raise PromptTooLong(f"prompt of {len(ids)} tokens does not fit {self.max_model_len}")
         if len(ids) + request.sampling.max_tokens > self.max_session_tokens:  # as AsyncEngine.validate
             raise InvalidRequest(f"{len(ids)} + {request.sampling.max_tokens} tokens exceed the session budget")
+        if self.max_num_seqs is not None and request.num_choices > self.max_num_seqs:  # as AsyncEngine.validate
+            raise InvalidRequest(f"{request.num_choices} choices need as many session slots", "n")
         self.requests.append(request)
         events = self.events.setdefault(request.request_id, [])
         events.append("started")

@@ -4,6 +4,7 @@ replays the prompt's bytes, and every token's logprob is -0.5, its k alternative
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from fastapi.testclient import TestClient
 
@@ -117,6 +118,18 @@ def test_best_of_returns_n_choices(client: TestClient) -> None:
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["choices"][0]["logprobs"] is None
     assert body["usage"]["completion_tokens"] == 8  # all four were generated
+
+
+def test_choices_past_the_session_slots_name_the_field_that_asked_for_them(
+    make_client: Callable[..., TestClient],
+) -> None:
+    client = make_client(eng=FakeEngine(max_num_seqs=3))
+    r = client.post(C, json={"prompt": "ab", "max_tokens": 2, "n": 1, "best_of": 4}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    r = client.post(C, json={"prompt": "ab", "max_tokens": 2, "n": 4}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = client.post(C, json={"prompt": "ab", "max_tokens": 2, "n": 2, "best_of": 3}, headers=auth())
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_model_is_404_model_not_found(client: TestClient) -> None:
