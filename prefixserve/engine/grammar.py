@@ -24,6 +24,7 @@ SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depen
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
               "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options: no whitespace the model may add
 
 
 def closed_objects(schema: Any, part_of_all: bool = False) -> Any:
@@ -57,10 +58,35 @@ def grammar_source(constraint: Constraint) -> str:
     try:
         if constraint.kind == "lark":
             return str(llguidance.LLMatcher.grammar_from_lark(constraint.source))
-        schema: Any = {"type": "object"} if constraint.kind == "json_object" else closed_objects(json.loads(constraint.source))
-        return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
+        return str(llguidance.LLMatcher.grammar_from_json_schema(_schema(constraint), defaults=COMPACT))
     except (ValueError, TypeError) as e:
         raise InvalidRequest(f"the schema cannot be compiled: {e}") from None
+
+
+def _schema(constraint: Constraint) -> Any:
+    """A json_schema / json_object constraint's schema as it is compiled (object schemas closed)."""
+    return {"type": "object"} if constraint.kind == "json_object" else closed_objects(json.loads(constraint.source))
+
+
+def embedded_schema(constraint: Constraint) -> dict[str, Any]:
+    """A json_schema / json_object constraint as a schema to embed in a Lark grammar (`%json {...}`)
+    that holds the output to what `grammar_source` compiles for the constraint alone: object schemas
+    closed, compact JSON (`COMPACT` unless the schema's own `x-guidance` says otherwise)."""
+    if constraint.kind not in ("json_schema", "json_object"):
+        raise ValueError(f"a {constraint.kind} constraint has no JSON schema")
+    schema = _schema(constraint)
+    own = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**COMPACT, **(own if isinstance(own, dict) else {})}}
+
+
+def schema_compiles(schema: Any) -> bool:
+    """Whether llguidance compiles the JSON schema `schema` (as given: no objects closed, no defaults)."""
+    import llguidance
+
+    try:
+        return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
+    except (ValueError, TypeError):
+        return False
 
 
 def check_constraint(constraint: Constraint) -> None:

@@ -2,7 +2,8 @@
 
 The template runs in the engine's tokenizer (`render_chat`), so a tools request is keyed in the cache
 by exactly the token ids the model sees, like any other prompt. Tools and their calls: tools.py;
-`response_format` json_object / json_schema and forced tool calls become a grammar `Constraint`.
+`response_format` json_object / json_schema and forced tool calls become a grammar `Constraint`
+(`tool_constraint`: with tools under auto, a response_format allows calls or its JSON).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from prefixserve.config import DEFAULT_MAX_TOKENS
+from prefixserve.engine.grammar import embedded_schema
 from prefixserve.engine.protocol import EngineClient, TemplateError
 from prefixserve.server import params, reasoning, tools
 from prefixserve.server.completions import check_chars, check_fits, include_usage, prepared
@@ -57,12 +59,7 @@ def prepare_chat(
         raise bad_request("the legacy functions API is not supported; use tools", "functions")
     tool_list = check_tools(body)
     forced = forced_tool(body, tool_list)
-    constraint = params.response_constraint(body.response_format)
-    if forced is not None:
-        if constraint is not None:
-            raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
-        assert tool_list is not None
-        constraint = params.checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
+    constraint = tool_constraint(body, tool_list, forced, params.response_constraint(body.response_format))
     messages = render_messages(body.messages)
     kwargs = check_template_kwargs(body.chat_template_kwargs)
     if memo is None:
@@ -93,6 +90,21 @@ def prepare_chat(
                     continues=setup is not None or any(m["role"] == "assistant" for m in messages))
 
 
+def tool_constraint(body: ChatCompletionRequest, tool_list: list[dict[str, Any]] | None, forced: str | None,
+                    fmt: Constraint | None) -> Constraint | None:
+    """The reply's constraint, from the tools, `forced` (`forced_tool`) and the response_format's `fmt`:
+    a forced call is exactly one call (the format holds content, and such a reply has none); under
+    auto with a format, calls or the format's JSON, as the model chooses; else the format (none under
+    tool_choice none, or without tools)."""
+    if forced is not None:
+        assert tool_list is not None
+        return params.checked(Constraint("lark", tools.call_grammar(tool_list, forced or None)), "tools")
+    if fmt is None or tool_list is None or body.tool_choice == "none":
+        return fmt
+    either = tools.calls_or_answer_grammar(tool_list, embedded_schema(fmt), body.parallel_tool_calls is not False)
+    return params.checked(Constraint("lark", either), "tools")
+
+
 def thinking_start(engine: EngineClient, prompt_ids: list[int]) -> bool | None:
     """None for a model that does not think; else whether the prompt ends inside a <think> block (a
     template that opens it for the model), so that the whole reply up to </think> is reasoning."""
@@ -117,9 +129,10 @@ def check_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str,
     keeps them visible), so the turn that must answer in text is keyed by the same prefix as the turns
     that called them; only its reply is not parsed for calls. Each function's name follows OpenAI's
     rule and its `parameters` must be a JSON schema of an object; the schemas a forced call is
-    constrained by (every tool's for 'required', the named one's) must compile. The others constrain
-    nothing (an 'auto' reply is parsed, not constrained), so a keyword the grammar lacks is no error
-    there: OpenAI takes any schema of a tool that is not strict."""
+    constrained by (every tool's for 'required', the named one's) must compile. The others are no
+    error where they do not compile (a keyword the grammar lacks): an 'auto' reply is parsed, not
+    constrained, or with a response_format such a tool's arguments are any JSON object
+    (`tools.calls_or_answer_grammar`); OpenAI takes any schema of a tool that is not strict."""
     choice = body.tool_choice
     if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")

@@ -14,8 +14,10 @@ itself. A template that drops them (the embedded SmolLM2) gets the generic fallb
 syntax are described in a system message, and assistant turns that made calls are written back as text.
 
 `tool_choice` "required" or a named function is enforced by constrained decoding (`call_grammar`):
-the reply is exactly one call whose arguments match the tool's JSON schema. "auto" lets the model
-choose and parses what it wrote; "none" shows the tools but parses nothing.
+the reply is exactly one call whose arguments match the tool's JSON schema (a response_format then
+holds nothing: the reply has no content). "auto" lets the model choose and parses what it wrote; with
+a response_format it is held to calls or the format's JSON (`calls_or_answer_grammar`). "none" shows
+the tools but parses nothing (a response_format holds the whole reply).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.engine.detok import partial_len
-from prefixserve.engine.grammar import closed_objects
+from prefixserve.engine.grammar import closed_objects, schema_compiles
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD, TAIL = OPEN + "\n", "\n" + CLOSE  # around a call's JSON object (`call_text`)
@@ -142,6 +144,24 @@ def call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
     """A Lark grammar (llguidance's dialect) for exactly one call in its canonical text (`call_text`):
     name first (the schema's property order), no whitespace but the separators'."""
     return f"start: {json.dumps(HEAD)} call {json.dumps(TAIL)}\ncall: %json {json.dumps(call_schema(tools, name))}\n"
+
+
+def calls_or_answer_grammar(tools: list[dict[str, Any]], answer: dict[str, Any], parallel: bool = True) -> str:
+    """A Lark grammar for `tool_choice` auto with a response_format: the reply is either calls or JSON
+    matching `answer` (the response_format's schema, `grammar.embedded_schema`), as the model decides
+    with its first token (`<` or `{`). Calls: one (`parallel` false) or more, one a line, each in its
+    canonical text as `call_grammar` forces it. A tool whose schema does not compile on its own (a
+    keyword the grammar lacks) is called with any JSON object as its arguments: under auto its schema
+    is no error (`chat.check_tools`)."""
+    lenient = [tool if schema_compiles(call_schema([tool], None)) else _any_arguments(tool) for tool in tools]
+    more = ' ("\\n" tagged)*' if parallel else ""
+    return (f"start: calls | answer\ncalls: tagged{more}\ntagged: {json.dumps(HEAD)} call {json.dumps(TAIL)}\n"
+            f"call: %json {json.dumps(call_schema(lenient, None))}\nanswer: %json {json.dumps(answer)}\n")
+
+
+def _any_arguments(tool: dict[str, Any]) -> dict[str, Any]:
+    """`tool` with its parameters read as any JSON object."""
+    return {**tool, "function": {**tool["function"], "parameters": {"type": "object"}}}
 
 
 def call_text(name: str, arguments: str) -> str:

@@ -152,8 +152,6 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CH, {"messages": MSGS, "response_format": {"type": "json_schema",
                                                 "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      400, "response_format.json_schema.schema"),
-    (CH, {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     400, "response_format"),
     (CH, {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions"),
     (CH, {"messages": MSGS, "modalities": ["text", "audio"]}, 400, "modalities"),  # text is all it answers in
     (CH, {"messages": MSGS, "modalities": "text"}, 400, "modalities"),
