@@ -13,18 +13,21 @@ JSON is compact (no free whitespace): a weak model otherwise fills `max_tokens` 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from prefixserve.types import Constraint, InvalidRequest
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
               "unevaluatedItems", "unevaluatedProperties", "additionalItems")
-COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options: no whitespace the model may add
+COMPACT: JsonCompileOptions = {"whitespace_flexible": False}  # llguidance's JSON options: no whitespace the model may add
 
 
 def closed_objects(schema: Any, part_of_all: bool = False) -> Any:
