@@ -245,3 +245,85 @@ def test_only_the_schemas_a_forced_call_is_held_to_must_compile(client: TestClie
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", err
         assert "uniqueItems" in err["message"]
+
+
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+OK_FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": OK_SCHEMA}}
+
+
+def test_auto_with_a_response_format_is_a_call_or_the_formats_json(client: TestClient, folder: str) -> None:
+    """Under auto a response_format holds the reply to calls or its JSON, and the model's first token
+    chooses (one byte a token here: a bias on `<` makes this random model open a call, on `{` the
+    JSON; neither appears anywhere else in either form). A call comes back as tool_calls with
+    finish_reason tool_calls, the JSON as content, streamed and not."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder)
+    [lt], [brace] = hf.encode("<", add_special_tokens=False), hf.encode("{", add_special_tokens=False)
+    body = {"messages": ASK, "tools": [ADD], "response_format": OK_FORMAT, "parallel_tool_calls": False,
+            "max_tokens": 200}
+    call = post(client, {**body, "logit_bias": {str(lt): 100}})["choices"][0]
+    [made] = call["message"]["tool_calls"]
+    args = json.loads(made["function"]["arguments"])
+    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] is None
+    assert made["function"]["name"] == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+    content, calls, reason = stream(client, {**body, "logit_bias": {str(lt): 100}})
+    assert (content, reason) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("add", made["function"]["arguments"])]
+    answer = post(client, {**body, "logit_bias": {str(brace): 100}})["choices"][0]
+    assert answer["finish_reason"] == "stop" and answer["message"]["tool_calls"] is None
+    assert set(json.loads(answer["message"]["content"])) == {"ok"}
+    content, calls, reason = stream(client, {**body, "logit_bias": {str(brace): 100}})
+    assert (content, calls, reason) == (answer["message"]["content"], [], "stop")
+    # unsteered, whatever the model writes is one of the two
+    free = post(client, {**body, "parallel_tool_calls": True})["choices"][0]
+    if free["message"]["tool_calls"]:
+        assert free["finish_reason"] == "tool_calls" and free["message"]["content"] is None
+        assert {c["function"]["name"] for c in free["message"]["tool_calls"]} == {"add"}
+    else:
+        assert free["finish_reason"] == "stop" and set(json.loads(free["message"]["content"])) == {"ok"}
+
+
+def test_forced_or_none_with_a_response_format_on_a_random_model(client: TestClient) -> None:
+    """required or a named function with a response_format: the call (the format does not keep the
+    model from it); none: the format's JSON, never a call."""
+    for choice in ("required", FORCE_ADD):
+        r = post(client, {"messages": ASK, "tools": [ADD], "tool_choice": choice, "response_format": OK_FORMAT,
+                          "max_tokens": 200})["choices"][0]
+        assert r["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in r["message"]["tool_calls"]] == [
+            "add"]
+    r = post(client, {"messages": ASK, "tools": [ADD], "tool_choice": "none", "response_format": OK_FORMAT,
+                      "max_tokens": 200})["choices"][0]
+    assert r["message"]["tool_calls"] is None and set(json.loads(r["message"]["content"])) == {"ok"}
+
+
+def responses_output(client: TestClient, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """/v1/responses' output items, whole and as the streamed response.completed event carries them."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = client.post("/v1/responses", json={"model": "tiny", "temperature": 0, **body}, headers=headers)
+    assert r.status_code == 200, r.text
+    s = client.post("/v1/responses", json={"model": "tiny", "temperature": 0, "stream": True, **body}, headers=headers)
+    assert s.status_code == 200, s.text
+    events = [json.loads(line[6:]) for line in s.text.split("\n") if line.startswith("data: {")]
+    [done] = [e for e in events if e["type"] == "response.completed"]
+    return r.json()["output"], done["response"]["output"]
+
+
+def test_the_responses_api_with_tools_and_a_text_format(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """text.format + tools under auto: the reply is a function_call item or a message holding the
+    format's JSON, streamed and not (the grammar is replaced by one accepting one text, as `force_text`)."""
+    flat = {"type": "function", **ADD["function"]}
+    body = {"input": "Add 2 and 3.", "tools": [flat], "max_output_tokens": 200,
+            "text": {"format": {"type": "json_schema", "name": "verdict", "schema": OK_SCHEMA}}}
+    real = tools.calls_or_answer_grammar
+    chosen: list[str] = []
+    for text in (tools.call_text("add", '{"a": 2, "b": 3}'), '{"ok":true}'):
+        monkeypatch.setattr(tools, "calls_or_answer_grammar",
+                            lambda *a, _t=text, **k: chosen.append(real(*a, **k)) or f"start: {json.dumps(_t)}\n")
+        for out in responses_output(client, body):
+            if text.startswith(tools.OPEN):
+                assert [(o["type"], o["name"], o["arguments"]) for o in out] == [
+                    ("function_call", "add", '{"a": 2, "b": 3}')]
+            else:
+                assert [o["type"] for o in out] == ["message"] and out[0]["content"][0]["text"] == text
+    assert chosen and all("start: calls | answer" in g for g in chosen)  # the request took the auto-with-format path
