@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import openai
 import pytest
 from openai import OpenAI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tests.helpers.server_proc import ServerProcess, server_fixture
 
@@ -292,3 +292,104 @@ def test_openai_agents_sdk_runs_a_tool_loop(server: ServerProcess, api: str) -> 
     result = asyncio.run(go())
     assert len(seen) == 1 and seen[0]  # the SDK parsed our tool call and ran the tool with its argument
     assert result.final_output == f"18 degrees and clear in {seen[0]}"
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=20)
+    sunny: bool
+
+
+FORECAST = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": Forecast.model_json_schema()}}
+
+
+def test_tools_with_a_response_format_follow_tool_choice(server: ServerProcess) -> None:
+    """tools + response_format: required (or a named function) is a call, the format notwithstanding;
+    none is the format's JSON; auto is either, as the model chooses, and parsed as such."""
+    c, m = client(server), model_id(server)
+    kw: dict[str, Any] = {"model": m, "messages": ASK, "tools": [WEATHER], "response_format": FORECAST,
+                          "max_tokens": 60, "temperature": 0}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = c.chat.completions.create(**kw, tool_choice=choice).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.tool_calls, choice
+        [call] = r.message.tool_calls
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    r = c.chat.completions.create(**kw, tool_choice="none").choices[0]
+    assert r.message.tool_calls is None and r.finish_reason == "stop"
+    assert Forecast.model_validate_json(r.message.content or "")
+    for stream in (False, True):
+        if not stream:
+            auto = c.chat.completions.create(**kw).choices[0]
+            content, calls, reason = auto.message.content, auto.message.tool_calls or [], auto.finish_reason
+            names = [call.function.name for call in calls]
+        else:
+            content, names, reason = "", [], None
+            for chunk in c.chat.completions.create(**kw, stream=True):
+                for ch in chunk.choices:
+                    content += ch.delta.content or ""
+                    names += [tc.function.name for tc in ch.delta.tool_calls or [] if tc.function and tc.function.name]
+                    reason = ch.finish_reason or reason
+        if names:
+            assert reason == "tool_calls" and set(names) == {"get_weather"} and not content
+        else:
+            assert reason == "stop" and Forecast.model_validate_json(content or "")
+
+
+def test_the_responses_api_with_tools_and_a_text_format(server: ServerProcess) -> None:
+    c = client(server)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    fmt: Any = {"format": {"type": "json_schema", "name": "forecast", "schema": Forecast.model_json_schema()}}
+    ask: Any = {"model": model_id(server), "input": "What is the weather in Paris?", "tools": [tool], "text": fmt,
+                "max_output_tokens": 60, "temperature": 0}
+    forced = c.responses.create(**ask, tool_choice="required")
+    assert [o.type for o in forced.output] == ["function_call"] and forced.output[0].name == "get_weather"  # type: ignore[union-attr]
+    plain = c.responses.create(**ask, tool_choice="none")
+    assert [o.type for o in plain.output] == ["message"] and Forecast.model_validate_json(plain.output_text)
+    auto = c.responses.create(**ask)
+    kinds = [o.type for o in auto.output]  # calls (one or more), or one message in the format
+    assert kinds == ["message"] or (kinds and set(kinds) == {"function_call"}), kinds
+    if kinds == ["message"]:
+        assert Forecast.model_validate_json(auto.output_text)
+
+
+def test_pydantic_ai_native_output_with_a_tool(server: ServerProcess) -> None:
+    """pydantic-ai's NativeOutput sends the output type as a json_schema response_format beside the
+    tools (tool_choice auto): the request is accepted, and the run ends with the tool called or a
+    Forecast parsed from the reply. What the weak embedded model chooses is not tested."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.exceptions import UsageLimitExceeded
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    sent: list[dict[str, Any]] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/chat/completions"):
+            sent.append(json.loads(request.content))
+
+    http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=300)
+    provider = OpenAIProvider(openai_client=openai.AsyncOpenAI(base_url=server.openai_url, api_key=KEY,
+                                                               max_retries=0, http_client=http))
+    agent = Agent(OpenAIChatModel(model_id(server), provider=provider), output_type=NativeOutput(Forecast),
+                  instructions="Answer weather questions. Call get_weather for the weather in a city.",
+                  # one call a reply: the weak model otherwise writes calls until max_tokens cuts one
+                  model_settings={"max_tokens": 120, "temperature": 0, "parallel_tool_calls": False})
+    called: list[str] = []
+
+    @agent.tool_plain
+    def get_weather(city: Annotated[str, Field(max_length=20)]) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"18 degrees and sunny in {city}"
+
+    try:
+        result = asyncio.run(agent.run("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=4)))
+    except UsageLimitExceeded:
+        assert called  # the model kept calling the tool: each call was parsed and run
+    else:
+        assert isinstance(result.output, Forecast)
+    first = sent[0]
+    assert first["response_format"]["type"] == "json_schema" and [t["function"]["name"] for t in first["tools"]] == [
+        "get_weather"]
+    assert first.get("tool_choice", "auto") == "auto" and first["parallel_tool_calls"] is False
