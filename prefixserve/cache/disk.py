@@ -5,23 +5,23 @@ Threads: the engine thread calls `lookup`, `load`, `offer`, `flush`, `stats`; on
 writes files; one loader thread reads them. Everything shared (the index, counters, the job queue)
 is guarded by `_lock`; file IO and (de)serialisation run outside it. The index is a `PrefixCache`
 over digest namespaces whose states are `DiskRef`s (bytes = file sizes), so the disk budget is the
-same LRU as RAM's. Another tier (Redis, issue 16) would keep the same keys, header and fingerprint.
+same LRU as RAM's. Files are named and their headers' namespaces digested by `TierKeys` (keyed: the
+deployment secret's, else the directory's own key, cache/disk_io.py `directory_key`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
+from prefixserve.cache import disk_io
 from prefixserve.cache.disk_format import CorruptFile, FileHeader, encode_file, read_file, read_header
 from prefixserve.cache.disk_io import WriteHealth, create_private, fsync_dir, make_private, remove
 from prefixserve.cache.entry import Entry, FlushResult, Hit
@@ -31,10 +31,8 @@ from prefixserve.cache.tier import (
     Loaded,
     LoadFailed,
     TierCounters,
+    TierKeys,
     WriteBehind,
-    disk_ns,
-    ns_digest,
-    selects,
     snapshot_kind,
 )
 from prefixserve.config import CacheConfig
@@ -60,10 +58,11 @@ class DiskRef:
 
 
 class DiskTier(WriteBehind):
-    def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec) -> None:
+    def __init__(self, directory: str, max_bytes: int, fingerprint: str, runtime: str, codec: Codec,
+                 keys: TierKeys | None = None) -> None:
         """Check `directory` (created 0700; docs/cache.md, "Privacy") and scan it: keep intact files of
-        this fingerprint and runtime, remove the rest, evict LRU (by mtime) over `max_bytes`. Starts the
-        writer and loader threads."""
+        this fingerprint and runtime named under `keys` (None: the directory's own key), remove the
+        rest, evict LRU (by mtime) over `max_bytes`. Starts the writer and loader threads."""
         self.directory = directory
         self.fingerprint = fingerprint
         self.runtime = runtime
@@ -78,6 +77,7 @@ class DiskTier(WriteBehind):
         self._health = WriteHealth(directory)  # failed writes (docs/cache.md, "Disk failures")
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._health.check_directory()
+        self.keys = keys or TierKeys(disk_io.directory_key(directory))
         self._scan()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefixserve-disk-load")
         self._writer = threading.Thread(target=self._write_loop, name="prefixserve-disk-write", daemon=True)
@@ -91,7 +91,7 @@ class DiskTier(WriteBehind):
             self._c.num_lookups += 1
             if self._index.num_entries == 0:
                 return None
-            hit = self._index.lookup(disk_ns(ns), prompt)
+            hit = self._index.lookup(self.keys.namespace(ns), prompt)
             if not isinstance(hit, Hit):
                 return None
             self._c.num_hits += 1
@@ -123,8 +123,8 @@ class DiskTier(WriteBehind):
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
             self._pending = deque(j for j in self._pending if not scope.selects(j[0]))
-            gone = [_path_of(e) for e in self._index.entries() if selects(scope, e.namespace)]
-            result = self._index.flush(lambda dns: selects(scope, dns))
+            gone = [_path_of(e) for e in self._index.entries() if self.keys.selects(scope, e.namespace)]
+            result = self._index.flush(lambda dns: self.keys.selects(scope, dns))
             self._c.num_flushed += result.num_entries
         remove(gone)
         return result
@@ -183,7 +183,7 @@ class DiskTier(WriteBehind):
                     self._lock.notify_all()
 
     def _write_job(self, ns: Namespace, key: tuple[int, ...], state: Any, epoch: int) -> None:
-        dns = disk_ns(ns)
+        dns = self.keys.namespace(ns)
         path = self._path(dns, key)
         with self._lock:
             held = self._index.get(dns, key)  # written already (with logits if these have them)
@@ -258,8 +258,7 @@ class DiskTier(WriteBehind):
         return Loaded(entry.token_ids, state, seconds)
 
     def _path(self, dns: Namespace, key: tuple[int, ...]) -> str:
-        digest = hashlib.blake2b(array("i", key).tobytes(), digest_size=16).hexdigest()
-        return os.path.join(self.directory, f"{ns_digest(dns)}-{digest}{SUFFIX}")
+        return os.path.join(self.directory, f"{self.keys.ns_digest(dns)}-{self.keys.tokens(key)}{SUFFIX}")
 
     def _scan(self) -> None:
         found = []
@@ -279,16 +278,17 @@ class DiskTier(WriteBehind):
                     self._c.num_corrupt_files += 1
                     remove([path])
                     continue
-                if header.fingerprint != self.fingerprint or header.runtime != self.runtime:
+                dns = Namespace(header.model_digest, header.tenant_digest, header.salt_digest)
+                if (header.fingerprint != self.fingerprint or header.runtime != self.runtime
+                        or path != self._path(dns, header.token_ids)):  # another runtime, or another key's name
                     stale += 1
                     remove([path])
                     continue
-                found.append((st.st_mtime, path, size, header))
+                found.append((st.st_mtime, path, size, header, dns))
         if stale:  # one line, not one per file: an upgrade may retire every file at once
-            log.warning("disk tier: removed %d files of another model, dtype, kernel or runtime", stale)
+            log.warning("disk tier: removed %d files of another model, dtype, kernel, runtime or key", stale)
             self._c.num_stale_files += stale
-        for _, path, size, h in sorted(found):  # oldest first: the LRU order survives the restart
-            dns = Namespace(h.model_digest, h.tenant_digest, h.salt_digest)
+        for _, path, size, h, dns in sorted(found):  # oldest first: the LRU order survives the restart
             ref = DiskRef(path, len(h.token_ids), h.has_logits, size, h.truncatable, h.points)
             result = self._index.insert(dns, h.token_ids, ref)
             remove([_path_of(e) for e in result.evicted] + ([] if result.stored else [path]))

@@ -35,8 +35,8 @@ class CorruptFile(ValueError):
 @dataclass(frozen=True, slots=True)
 class FileHeader:
     runtime: str  # prefixserve's version
-    fingerprint: str  # model identity + the runtime's kernel choices (`Decoder.kernel_fingerprint`)
-    model_digest: str  # the three digests of the namespace (cache/tier.py)
+    fingerprint: str  # model identity + the runtime's identity (engine.tier_fingerprint)
+    model_digest: str  # the three keyed digests of the namespace (cache/tier.py, TierKeys)
     tenant_digest: str
     salt_digest: str
     token_ids: tuple[int, ...]

@@ -138,3 +138,48 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+KEY_FILE = "names.key"  # the directory's own key for TierKeys, where no deployment secret is set
+KEY_BYTES = 32
+
+
+def directory_key(directory: str) -> bytes:
+    """The key naming the files of `directory` (cache/tier.py, TierKeys) where no deployment secret
+    is set: `KEY_FILE` in it, KEY_BYTES random bytes created once (mode FILE_MODE, whole or not at
+    all: written beside it and linked into place, so two starting processes agree on one) and read
+    at later starts. A key file of another length is replaced (the files named under it are removed
+    by the scan as another key's). Where the directory cannot be written and holds no key, a key for
+    this process only (logged): nothing in the directory is served, as nothing written there lands."""
+    path = os.path.join(directory, KEY_FILE)
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                make_private(path, os.fstat(f.fileno()).st_mode)
+                key = f.read(KEY_BYTES + 1)
+            if len(key) == KEY_BYTES:
+                return key
+            log.warning("disk tier: %s is not a key of %d bytes; a new one names the files from now on", path, KEY_BYTES)
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("disk tier: cannot read %s (%s); this process names its files with a key of its own", path, e)
+            return os.urandom(KEY_BYTES)
+        tmp = os.path.join(directory, f".key-{os.getpid()}.tmp")
+        try:
+            with create_private(tmp) as f:
+                f.write(os.urandom(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # fails if another process made one first: then that one is read
+            fsync_dir(directory)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            log.warning("disk tier: cannot create %s (%s); this process names its files with a key of its own", path, e)
+            return os.urandom(KEY_BYTES)
+        finally:
+            remove([tmp])
+    log.warning("disk tier: %s keeps changing; this process names its files with a key of its own", path)
+    return os.urandom(KEY_BYTES)

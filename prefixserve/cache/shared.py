@@ -29,7 +29,6 @@ from prefixserve.cache.shared_keys import (
     marker_keys,
     ns_prefix,
     scope_pattern,
-    token_digest,
 )
 from prefixserve.cache.shared_link import Link
 from prefixserve.cache.tier import (
@@ -37,8 +36,8 @@ from prefixserve.cache.tier import (
     Loaded,
     LoadFailed,
     TierCounters,
+    TierKeys,
     WriteBehind,
-    disk_ns,
     snapshot_kind,
     usable_len,
 )
@@ -57,13 +56,15 @@ class SharedCounters:
 
 
 class SharedTier(WriteBehind):
-    def __init__(self, config: SharedTierConfig, fingerprint: str, runtime: str, codec: Codec) -> None:
+    def __init__(self, config: SharedTierConfig, fingerprint: str, runtime: str, codec: Codec,
+                 keys: TierKeys | None = None) -> None:
         """Connects lazily (a Redis down at start is a miss, like one that goes down later); starts the
-        writer and loader threads."""
+        writer and loader threads. `keys` name namespaces and prefixes (None: under `config.secret`)."""
         self.config = config
         self.fingerprint = fingerprint
         self.runtime = runtime
         self.space = key_space(config.prefix, config.secret, fingerprint, runtime)  # cache/shared_keys.py
+        self.keys = keys or TierKeys.from_secret(config.secret)
         self._codec = codec
         self._link = Link(config.url, config.timeout_s)
         self._redis = self._link.client
@@ -109,7 +110,7 @@ class SharedTier(WriteBehind):
             self._epoch += 1
             self._flushes.append((self._epoch, scope))
             self._pending = deque(j for j in self._pending if not scope.selects(j[0]))
-        pattern = scope_pattern(self.config.prefix, scope)
+        pattern = scope_pattern(self.config.prefix, self.keys, scope)
         num_entries = num_bytes = 0
 
         def scan_delete() -> bool:
@@ -156,7 +157,7 @@ class SharedTier(WriteBehind):
     # ---- keys and values (pure) -----------------------------------------------------------------
 
     def key(self, ns: Namespace, token_ids: Sequence[int]) -> str:
-        return f"{ns_prefix(self.space, ns)}:{token_digest(token_ids)}"
+        return f"{ns_prefix(self.space, self.keys, ns)}:{self.keys.tokens(token_ids)}"
 
     def encode(self, key: str, header: FileHeader, payload: bytes) -> bytes:
         body = encode_file(header, payload)
@@ -168,14 +169,14 @@ class SharedTier(WriteBehind):
         t0 = time.monotonic()
         with self._lock:
             self._c.num_lookups += 1
-        base = ns_prefix(self.space, ns)
+        base = ns_prefix(self.space, self.keys, ns)
         marks = range(MARK_TOKENS, len(prompt) + 1, MARK_TOKENS)
 
         def probe() -> list[Any]:  # one round trip: the length index and every marker on the prompt's path
             pipe = self._redis.pipeline(transaction=False)
             pipe.zrevrangebyscore(base + ":len", len(prompt), min_tokens, start=0, num=MAX_CANDIDATES)
             for k in marks:
-                pipe.get(f"{base}:p:{token_digest(prompt[:k])}")
+                pipe.get(f"{base}:p:{self.keys.tokens(prompt[:k])}")
             return pipe.execute()
 
         got = self._link.call("lookup", probe, None)
@@ -217,7 +218,7 @@ class SharedTier(WriteBehind):
         """The decoded state of `value` read under `key` (holding `token_ids`, or None: whatever tokens
         `key` names), or LoadFailed (the value is then deleted)."""
         body, tag = memoryview(value)[:-MAC_BYTES], value[-MAC_BYTES:]
-        dns = disk_ns(ns)
+        dns = self.keys.namespace(ns)
         try:
             if len(value) <= MAC_BYTES or not hmac.compare_digest(tag, mac(self.config.secret, key, body)):
                 raise CorruptFile("HMAC mismatch (tampered, or written under another secret)")
@@ -269,20 +270,20 @@ class SharedTier(WriteBehind):
             with self._lock:
                 self._s.num_present += 1
             return
-        dns = disk_ns(ns)
+        dns = self.keys.namespace(ns)
         meta, payload = self._codec.encode(state)
         header = FileHeader(self.runtime, self.fingerprint, dns.model_id, dns.tenant_id, dns.cache_salt, token_ids,
                             bool(state.has_logits), meta, len(payload), *snapshot_kind(state))
         value = self.encode(key, header, payload)
 
-        markers = marker_keys(self.space, ns, token_ids)
+        markers = marker_keys(self.space, self.keys, ns, token_ids)
 
         def send() -> bool:
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(key, value)
             for marker in markers:  # this entry extends that prefix
                 pipe.set(marker, key)
-            pipe.zadd(ns_prefix(self.space, ns) + ":len", {str(len(token_ids)): len(token_ids)})
+            pipe.zadd(ns_prefix(self.space, self.keys, ns) + ":len", {str(len(token_ids)): len(token_ids)})
             pipe.execute()
             return True
 
@@ -295,4 +296,4 @@ class SharedTier(WriteBehind):
             elif not sent:
                 self._c.num_dropped_writes += 1
         if sent and flushed:  # flushed while being written: what this write added goes
-            self._link.call("delete", lambda: unwrite(self._redis, key, markers, ns_prefix(self.space, ns) + ":len", len(token_ids)), None)
+            self._link.call("delete", lambda: unwrite(self._redis, key, markers, ns_prefix(self.space, self.keys, ns) + ":len", len(token_ids)), None)

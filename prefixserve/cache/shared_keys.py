@@ -1,6 +1,7 @@
 """Key names and value authentication of the shared tier (cache/shared.py). Pure functions.
 
-Keys carry no tenant id or salt, only the digests of cache/tier.py:
+Keys carry no tenant id, salt or bare token hash, only the keyed digests of cache/tier.py (TierKeys,
+under the deployment secret: without it a key name confirms no guessed tenant, salt or prompt):
     <prefix>:<space>:<tenant digest>:<salt digest>:<model digest>:<token digest>   the value
     <prefix>:<space>:<tenant digest>:<salt digest>:<model digest>:len              ZSET of entry lengths
     <prefix>:<space>:<tenant digest>:<salt digest>:<model digest>:p:<token digest>  marker: the key of
@@ -19,10 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from array import array
 from collections.abc import Sequence
 
-from prefixserve.cache.tier import digest, disk_ns
+from prefixserve.cache.tier import TierKeys
 from prefixserve.types import FlushScope, Namespace
 
 MAC_BYTES = 32  # HMAC-SHA256, appended to every value
@@ -35,29 +35,25 @@ def key_space(prefix: str, secret: bytes, fingerprint: str, runtime: str) -> str
     return f"{prefix}:{space}"
 
 
-def ns_prefix(space: str, ns: Namespace) -> str:
-    dns = disk_ns(ns)
+def ns_prefix(space: str, keys: TierKeys, ns: Namespace) -> str:
+    dns = keys.namespace(ns)
     return f"{space}:{dns.tenant_id}:{dns.cache_salt}:{dns.model_id}"
 
 
-def scope_pattern(prefix: str, scope: FlushScope) -> str:
+def scope_pattern(prefix: str, keys: TierKeys, scope: FlushScope) -> str:
     """The SCAN pattern of every key a flush of `scope` removes, in every key space."""
     if scope.tenant_id is None and scope.cache_salt is None:
         return f"{prefix}:*"
-    tenant = "*" if scope.tenant_id is None else digest("tenant", scope.tenant_id)
+    tenant = "*" if scope.tenant_id is None else keys.digest("tenant", scope.tenant_id)
     if scope.cache_salt is None:
         return f"{prefix}:*:{tenant}:*"
-    return f"{prefix}:*:{tenant}:{digest('salt', scope.cache_salt)}:*"
+    return f"{prefix}:*:{tenant}:{keys.digest('salt', scope.cache_salt)}:*"
 
 
-def marker_keys(space: str, ns: Namespace, token_ids: Sequence[int]) -> list[str]:
+def marker_keys(space: str, keys: TierKeys, ns: Namespace, token_ids: Sequence[int]) -> list[str]:
     """The markers an entry of `token_ids` writes: one every MARK_TOKENS tokens of it."""
-    base = ns_prefix(space, ns)
-    return [f"{base}:p:{token_digest(token_ids[:k])}" for k in range(MARK_TOKENS, len(token_ids) + 1, MARK_TOKENS)]
-
-
-def token_digest(token_ids: Sequence[int]) -> str:
-    return hashlib.blake2b(array("i", token_ids).tobytes(), digest_size=16).hexdigest()
+    base = ns_prefix(space, keys, ns)
+    return [f"{base}:p:{keys.tokens(token_ids[:k])}" for k in range(MARK_TOKENS, len(token_ids) + 1, MARK_TOKENS)]
 
 
 def mac(secret: bytes, key: str, body: bytes | memoryview) -> bytes:

@@ -1,14 +1,17 @@
-"""What every lower cache tier shares (disk now, Redis in issue 16): how namespaces and keys are
-named outside RAM, the runtime's codec, and the named results of a load. See docs/cache.md."""
+"""What every lower cache tier shares (disk and Redis): how namespaces and keys are
+named outside RAM (`TierKeys`), the runtime's codec, and the named results of a load. See docs/cache.md."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import threading
 import time
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefixserve.types import FlushScope, Namespace
@@ -72,22 +75,49 @@ def snapshot_kind(state: Any) -> tuple[bool, tuple[int, ...]]:
     return False, tuple(getattr(state, "resume_points", ()))
 
 
-def digest(kind: str, value: str) -> str:
-    """A namespace component's name on disk: never the tenant id or salt itself."""
-    return hashlib.sha256(f"prefixserve:{kind}\0{value}".encode()).hexdigest()[:32]
+@dataclass(frozen=True, slots=True)
+class TierKeys:
+    """How namespaces and token prefixes are named outside RAM (disk file names and headers, Redis
+    keys and value headers): BLAKE2b-128 keyed by `key`, never a tenant id, salt or bare token hash,
+    so nobody without the key can test a guessed tenant, salt or prompt against a name. Tiers that
+    hold the same key give the same names (replicas sharing a deployment secret share keys).
+    `key`: 32 bytes, `from_secret(deployment secret)` or a data directory's own (cache/disk_io.py,
+    `directory_key`)."""
 
+    key: bytes = field(repr=False)
 
-def disk_ns(ns: Namespace) -> Namespace:
-    return Namespace(digest("model", ns.model_id), digest("tenant", ns.tenant_id), digest("salt", ns.cache_salt))
+    def __post_init__(self) -> None:
+        if not 16 <= len(self.key) <= 64:  # BLAKE2b's key
+            raise ValueError("a tier key is 16 to 64 bytes")
 
+    @classmethod
+    def from_secret(cls, secret: bytes) -> TierKeys:
+        """The names' key under a deployment secret (kept apart from the secret's value MACs)."""
+        return cls(hmac.new(secret, b"prefixserve tier names", hashlib.sha256).digest())
 
-def ns_digest(dns: Namespace) -> str:
-    return hashlib.sha256(f"{dns.model_id}|{dns.tenant_id}|{dns.cache_salt}".encode()).hexdigest()[:32]
+    def digest(self, kind: str, value: str) -> str:
+        """A namespace component's name (`kind`: model, tenant or salt)."""
+        return hashlib.blake2b(f"{kind}\0{value}".encode(), key=self.key, digest_size=16, person=b"ps-ns").hexdigest()
 
+    def tokens(self, token_ids: Sequence[int]) -> str:
+        """A token prefix's name."""
+        data = array("i", token_ids).tobytes()
+        return hashlib.blake2b(data, key=self.key, digest_size=16, person=b"ps-tokens").hexdigest()
 
-def selects(scope: FlushScope, dns: Namespace) -> bool:
-    return (scope.tenant_id is None or dns.tenant_id == digest("tenant", scope.tenant_id)) and (
-        scope.cache_salt is None or dns.cache_salt == digest("salt", scope.cache_salt))
+    def namespace(self, ns: Namespace) -> Namespace:
+        """`ns` with every component named by its digest (the disk index's and file headers' namespace)."""
+        return Namespace(self.digest("model", ns.model_id), self.digest("tenant", ns.tenant_id),
+                         self.digest("salt", ns.cache_salt))
+
+    def ns_digest(self, dns: Namespace) -> str:
+        """One name for a digest namespace (a disk file's first part)."""
+        data = f"{dns.model_id}|{dns.tenant_id}|{dns.cache_salt}".encode()
+        return hashlib.blake2b(data, key=self.key, digest_size=16, person=b"ps-space").hexdigest()
+
+    def selects(self, scope: FlushScope, dns: Namespace) -> bool:
+        """Whether a flush of `scope` reaches the digest namespace `dns`."""
+        return (scope.tenant_id is None or dns.tenant_id == self.digest("tenant", scope.tenant_id)) and (
+            scope.cache_salt is None or dns.cache_salt == self.digest("salt", scope.cache_salt))
 
 
 class WriteBehind:

@@ -94,19 +94,23 @@ def _build_core(
     disk = shared = None
     if cache_config.max_bytes > 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
         from prefixserve import __version__
+        from prefixserve.cache.tier import TierKeys
         from prefixserve.runner.codec import SnapshotCodec
 
-        fingerprint = tier_fingerprint(loaded.path, loaded.decoder, device, loaded.identity)
+        fingerprint = tier_fingerprint(loaded.path, loaded.decoder, loaded.identity)
+        # the names of namespaces and prefixes: keyed by the deployment secret where there is one (the
+        # disk then names its files as the replicas name Redis keys), else by the disk directory's key
+        keys = None if cache_config.shared is None else TierKeys.from_secret(cache_config.shared.secret)
         if cache_config.disk_max_bytes > 0:
             from prefixserve.cache.disk import DiskTier
 
             assert cache_config.disk_dir is not None
             disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__,
-                            SnapshotCodec(device))
+                            SnapshotCodec(device), keys)
         if cache_config.shared is not None:
             from prefixserve.cache.shared import SharedTier
 
-            shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec(device))
+            shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec(device), keys)
     max_len = loaded.arch.max_position
     if model_config.max_model_len is not None:
         if model_config.max_model_len > max_len:
@@ -134,15 +138,15 @@ def _build_core(
     return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
 
 
-def tier_fingerprint(model_path: str, decoder: Any, device: str, identity: str | None = None) -> str:
-    """One fingerprint for every lower tier (docs/cache.md, "File format"): model bytes + the
-    runtime's kernel choices (dtype, decode kernel, tile plan, device) and the CPU thread count:
-    nothing shows it never changes a kernel's bits, so replicas whose counts differ keep apart
-    rather than trust each other's states. `identity`: the model's digest when the loader already
-    read every byte for it (not read again)."""
-    import torch
-
+def tier_fingerprint(model_path: str, decoder: Any, identity: str | None = None) -> str:
+    """One fingerprint for every lower tier (docs/cache.md, "File format"): the model's bytes and the
+    runtime's identity (runner/identity.py: package version, the code that computes states, torch's
+    version and build, the CPU and its flags, the native kernels' build, dtype, kernels, threads),
+    whose digest `system_fingerprint` carries too. A disk file or Redis value of any other
+    fingerprint is dropped, never served. The kernel choices are spelled out for the logs.
+    `identity`: the model's digest when the loader already read every byte for it (not read again)."""
     from prefixserve.models.prepared import file_identity  # a digest of the model's bytes
+    from prefixserve.runner.identity import runtime_identity
 
-    threads = f"|threads={torch.get_num_threads()}" if device == "cpu" else ""
-    return f"{identity or file_identity(model_path)}|{decoder.kernel_fingerprint()}{threads}"
+    runtime = runtime_identity(decoder)
+    return f"{identity or file_identity(model_path)}|{runtime.kernels}|runtime={runtime.digest()}"

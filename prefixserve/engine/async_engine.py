@@ -21,6 +21,7 @@ from prefixserve.engine.refill import EagerShare
 from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.engine.streams import Streams
 from prefixserve.engine.torch_thread import TorchThread, release_free_memory
+from prefixserve.runner.identity import runtime_identity
 from prefixserve.types import (
     Delta,
     FinishReason,
@@ -173,12 +174,11 @@ class AsyncEngine:
         )
 
     def fingerprint(self) -> str:
-        """`system_fingerprint`: a digest of everything that decides the bits of an output here (the
-        model, its dtype, the decode kernel, the self-test's verdict and row padding, and the kernels'
-        own choices: `kernel_fingerprint`, e.g. the native build and whether it runs on AMX tiles)."""
+        """`system_fingerprint`: a digest of everything that decides the bits of an output here: the
+        model, the self-test's verdict and the runtime's identity (runner/identity.py, as the tiers')."""
         d = self.core.runner.decoder
         parts = (self.model_id, self._model_source, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
-                 str(d.tiles), str(self.core.exact_reuse), self._selftest_detail, d.kernel_fingerprint())
+                 str(d.tiles), str(self.core.exact_reuse), self._selftest_detail, runtime_identity(d).digest())
         return "fp_" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
 
     def metrics(self) -> dict[str, float]:

@@ -38,64 +38,32 @@ import torch
 from prefixserve.models import native
 from prefixserve.models.layers import TilePlan
 from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.runner.identity import runtime_identity
 from prefixserve.runner.runner import ModelRunner, StepItem
 from prefixserve.runner.selftest import SelfTestResult, self_test
 
 log = logging.getLogger("prefixserve.engine")
 
-FORMAT = 1
+FORMAT = 2  # 2: the runtime's part is runner/identity.py's
 MAX_RECORDS = 16
 # environment variables that steer the kernels' threading and dispatch (and so, possibly, their bits)
 _ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "DNNL_", "ONEDNN_", "ATEN_", "TORCH_", "OPENBLAS_",
                  "PREFIXSERVE_NATIVE", "PREFIXSERVE_DENSE_MATMUL", "CUDA_", "CUBLAS_")
-_CODE_DIRS = ("models", "runner")  # every kernel and formulation the test calls, and the test itself
-
-
-def _cpu() -> str:
-    """The CPU's identity and flags (the first processor's, as /proc/cpuinfo gives them)."""
-    import platform
-
-    info = native.cpu_info()
-    keep: dict[str, str] = {k: info[k] for k in ("vendor_id", "cpu family", "model", "model name", "stepping", "flags") if k in info}
-    keep["machine"] = platform.machine()
-    return json.dumps(keep, sort_keys=True)
-
-
-def _code_digest() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.blake2b(digest_size=16)
-    for sub in _CODE_DIRS:
-        folder = os.path.join(root, sub)
-        for name in sorted(os.listdir(folder)):
-            if name.endswith((".py", ".c", ".h")):
-                with open(os.path.join(folder, name), "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
 
 
 def fingerprint(runner: ModelRunner, model_identity: str) -> dict[str, str]:
-    """Everything the self-test's outcome depends on, taken before the test mutates the decoder."""
+    """Everything the self-test's outcome depends on, taken before the test mutates the decoder: the
+    runtime's identity (runner/identity.py, which the cache tiers and system_fingerprint use too)
+    and what only the test's outcome adds (the decoder's formulation, the native build's file, which
+    names its compiler, the environment, Python)."""
     dec = runner.decoder
-    device = dec.device.type
-    gpu = ""
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(dec.device)
-        gpu = f"{props.name}|{props.major}.{props.minor}|cuda {torch.version.cuda}"
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    return {
+    return runtime_identity(dec).parts() | {
         "format": str(FORMAT),
         "model": model_identity,
-        "kernels": dec.kernel_fingerprint(),
         "decoder": f"int4_decode={getattr(dec, 'int4_decode', False)}|prefill_q4={getattr(dec, 'prefill_q4', False)}"
                    f"|native_attention={getattr(dec, 'native_attention', False)}|{type(dec).__name__}",
-        "torch": torch.__version__,
-        "torch_build": hashlib.blake2b(torch.__config__.show().encode(), digest_size=16).hexdigest(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu": _cpu(),
-        "gpu": gpu,
-        "threads": f"torch={torch.get_num_threads()}|kernel={KERNEL_THREADS.threads}",
-        "native": native.build_name(),
-        "code": _code_digest(),
+        "native_build": native.build_name(),
         "env": json.dumps(env, sort_keys=True),
         "python": sys.version,
     }

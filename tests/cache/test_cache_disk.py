@@ -3,17 +3,23 @@ LRU budget and flush, with exact file counts and bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import stat
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cache_fakes import NS_A, NS_A_SALT, NS_B
+from fingerprints import variants
 
 from prefixserve.cache.disk import DiskTier
-from prefixserve.cache.disk_format import DIGEST_BYTES
-from prefixserve.cache.tier import Loaded, LoadFailed
+from prefixserve.cache.disk_format import DIGEST_BYTES, read_header
+from prefixserve.cache.disk_io import KEY_FILE
+from prefixserve.cache.tier import Loaded, LoadFailed, TierKeys
 from prefixserve.types import FlushScope
 
 SYS = tuple(range(100, 140))
@@ -45,7 +51,8 @@ def put(t: DiskTier, ns: Any, key: tuple[int, ...], data: bytes) -> None:
 
 
 def files(path: Path) -> list[str]:
-    return sorted(os.listdir(path))
+    """The tier's files, less its key (disk_io.KEY_FILE)."""
+    return sorted(n for n in os.listdir(path) if n != KEY_FILE)
 
 
 def load(t: DiskTier, ns: Any, prompt: tuple[int, ...]) -> Loaded | LoadFailed | None:
@@ -165,38 +172,14 @@ def test_the_same_key_again_keeps_one_file(tmp_path: Path) -> None:
     t.close()
 
 
-def test_the_fingerprint_separates_model_dtype_kernel_and_padding(tmp_path: Path) -> None:
-    """The fingerprint the server gives its lower tiers (engine.tier_fingerprint) changes with each
-    choice that changes a state's bits (docs/cache.md, "File format"), so a file written under one
-    is removed, never served, under another."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from prefixserve.engine import tier_fingerprint
-    from prefixserve.models.decoder import Decoder
-    from prefixserve.models.layers import TilePlan
-
-    def decoder(dtype: torch.dtype = torch.bfloat16, tiles: TilePlan | None = None, int4: bool = False) -> Decoder:
-        embed = torch.zeros(4, 8, dtype=dtype)
-        arch: Any = SimpleNamespace(rope_theta=10000.0, head_dim=8)
-        d = Decoder(arch, embed, [], embed[0], embed, tiles or TilePlan())
-        d.int4_decode = int4
-        return d
-
-    weights, other_weights = tmp_path / "a.gguf", tmp_path / "b.gguf"
-    weights.write_bytes(b"weights of model a")
-    other_weights.write_bytes(b"weights of model b")
-    fp = tier_fingerprint(str(weights), decoder(), "cpu")
-    assert fp == tier_fingerprint(str(weights), decoder(), "cpu")  # a restart of the same server
-    others = {
-        "model": tier_fingerprint(str(other_weights), decoder(), "cpu"),
-        "dtype": tier_fingerprint(str(weights), decoder(torch.float32), "cpu"),
-        "padding": tier_fingerprint(str(weights), decoder(tiles=TilePlan(32, 16)), "cpu"),
-        "lm_head padding": tier_fingerprint(str(weights), decoder(tiles=TilePlan(64, 8)), "cpu"),
-        "decode kernel": tier_fingerprint(str(weights), decoder(int4=True), "cpu"),
-    }
-    assert len({fp, *others.values()}) == 1 + len(others), others
+def test_the_fingerprint_separates_model_and_every_part_of_the_runtime(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fingerprint the server gives its lower tiers (engine.tier_fingerprint) changes with the
+    model and with each part of the runtime's identity (runner/identity.py: dtype, kernels, padding,
+    torch's version and build, our code, the CPU's model and flags, the native build, threads,
+    version; docs/cache.md, "File format"), so a file written under one is removed, never served,
+    under another."""
+    fp, others = variants(tmp_path, monkeypatch)
     cache_dir = tmp_path / "cache"
     for what, other in others.items():
         t = tier(cache_dir, fingerprint=fp)
@@ -206,3 +189,51 @@ def test_the_fingerprint_separates_model_dtype_kernel_and_padding(tmp_path: Path
         assert t.lookup(NS_A, SYS + (1,)) is None, what
         assert files(cache_dir) == [] and t.stats()["disk_stale_files"] == 1, what
         t.close()
+
+
+def _unkeyed_names(ns: Any, token_ids: tuple[int, ...]) -> tuple[str, str, str]:
+    """(tenant digest, namespace digest, token digest) as files were named before names were keyed:
+    what anyone could compute for a guessed tenant and prompt."""
+    def d(kind: str, value: str) -> str:
+        return hashlib.sha256(f"prefixserve:{kind}\0{value}".encode()).hexdigest()[:32]
+
+    tenant = d("tenant", ns.tenant_id)
+    space = hashlib.sha256(f"{d('model', ns.model_id)}|{tenant}|{d('salt', ns.cache_salt)}".encode()).hexdigest()[:32]
+    return tenant, space, hashlib.blake2b(array("i", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def test_file_names_are_keyed_by_the_directory_key_or_the_deployment_secret(tmp_path: Path) -> None:
+    """A file's name and header reveal nothing testable about its tenant or prompt without the key:
+    the unkeyed digests of the known tokens and tenant appear nowhere, two directories name the same
+    prompt differently, and a file named under another key is removed at start. Under one deployment
+    secret every directory names it alike."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path in (a, b):
+        t = tier(path)
+        put(t, NS_A, SYS, b"x" * 100)
+        t.close()
+    (name_a,), (name_b,) = files(a), files(b)
+    assert name_a != name_b
+    with open(a / name_a, "rb") as f:
+        header = read_header(f, os.path.getsize(a / name_a))
+    for unkeyed in _unkeyed_names(NS_A, SYS):
+        assert unkeyed not in name_a and unkeyed not in repr(header)
+    key_file = a / KEY_FILE
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600 and len(key_file.read_bytes()) == 32
+
+    t = tier(a)  # a restart reads the key again: the file is found and served
+    assert isinstance(load(t, NS_A, SYS + (1,)), Loaded) and files(a) == [name_a]
+    t.close()
+    shutil.copy(b / name_b, a / name_b)  # b's file, named under b's key
+    t = tier(a)
+    assert files(a) == [name_a] and t.stats()["disk_stale_files"] == 1
+    t.close()
+
+    keys = TierKeys.from_secret(b"deployment-secret-0123456789")
+    names = []
+    for path in (tmp_path / "c", tmp_path / "d"):
+        t = DiskTier(str(path), 1 << 20, "fp-1", "0.1.0", BlobCodec(), keys)
+        put(t, NS_A, SYS, b"x" * 100)
+        names.append(files(path))
+        t.close()
+    assert names[0] == names[1] and names[0] not in ([name_a], [name_b])

@@ -4,8 +4,10 @@ down or slow → miss and counted, back → hit, flush by namespace, with exact 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +16,9 @@ from typing import Any
 import pytest
 import redis
 from cache_fakes import NS_A, NS_A_OTHER_MODEL, NS_A_SALT, NS_B
+from fingerprints import variants
 
 from prefixserve.cache.shared import MAC_BYTES, SharedTier
-from prefixserve.cache.shared_keys import token_digest
 from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.config import SharedTierConfig
 from prefixserve.types import FlushScope
@@ -145,7 +147,9 @@ def test_another_secret_or_fingerprint_is_never_served_nor_disturbed(server: Red
     for x in (t, foreign, other_dtype):
         s = x.stats()
         assert (s["redis_rejected_values"], s["redis_stale_values"]) == (0, 0), s
-    assert foreign.flush(FlushScope("tenant-a")).num_entries == 3  # a tenant's flush reaches every space
+    # a tenant's flush reaches every key space of its secret; another secret names the tenant otherwise
+    assert foreign.flush(FlushScope("tenant-a")).num_entries == 1
+    assert t.flush(FlushScope("tenant-a")).num_entries == 2
     assert isinstance(get(t, NS_A, SYS + (1,)), LoadFailed) and client.keys("*") == []
 
     # a value moved to another key (another tenant's) fails its MAC: the key is signed too
@@ -228,17 +232,17 @@ def test_a_write_that_lands_after_a_flush_leaves_nothing_of_it(server: RedisServ
     t = tier(server)
     long_sys = SYS + tuple(range(500, 564))  # 128 tokens: markers at 64 and 128
     put(t, NS_A, SYS + (1,), b"k" * 50)  # an entry of the namespace written after the flush: marker at 64 kept
-    kept_marker = client.get(f"{t.key(NS_A, SYS).rsplit(':', 1)[0]}:p:{token_digest(SYS)}")
+    kept_marker = client.get(f"{t.key(NS_A, SYS).rsplit(':', 1)[0]}:p:{t.keys.tokens(SYS)}")
     with t._lock:  # the flush lands while a write queued before it (epoch 0) is in flight
         t._epoch += 1
         t._flushes.append((t._epoch, FlushScope("tenant-a")))
     t._write(NS_A, long_sys + (2,), Blob(b"w" * 80), 0)  # the writer thread's call, made here to fix the order
     assert client.get(t.key(NS_A, long_sys + (2,))) is None  # the value went
     base = t.key(NS_A, SYS).rsplit(":", 1)[0]
-    assert client.get(f"{base}:p:{token_digest(long_sys)}") is None  # its own marker went
+    assert client.get(f"{base}:p:{t.keys.tokens(long_sys)}") is None  # its own marker went
     # the 64-token marker named the late write (last writer wins); it went too, the older entry's is
     # findable by its length, and nothing of the late entry's length is left in the index
-    assert client.get(f"{base}:p:{token_digest(SYS)}") is None and kept_marker is not None
+    assert client.get(f"{base}:p:{t.keys.tokens(SYS)}") is None and kept_marker is not None
     assert client.zrange(f"{base}:len", 0, -1) == [b"65"]
     got = get(t, NS_A, SYS + (1, 5))
     assert isinstance(got, Loaded) and got.token_ids == SYS + (1,)
@@ -284,4 +288,46 @@ def test_the_metrics_are_the_documented_ones(server: RedisServer, client: redis.
     t = tier(server)
     assert {k.removeprefix("redis_") for k in t.stats()} == set(listed.group(1).split(","))
     assert all(k.startswith("redis_") for k in t.stats())
+    t.close()
+
+
+def test_key_names_are_keyed_by_the_secret(server: RedisServer, client: redis.Redis) -> None:
+    """Without the secret a key name confirms no guessed prompt or tenant: the unkeyed digests of the
+    known tokens, of their 64-token prefix and of the tenant appear in no key; another deployment
+    (another secret) names the same entry otherwise in every part; replicas of one secret alike."""
+    t, replica = tier(server), tier(server)
+    other = tier(server, secret=b"another-deployment-secret!!")
+    prompt = SYS + tuple(range(300, 340))  # a marker at 64 tokens
+    put(t, NS_A, prompt, b"v" * 100)
+    put(other, NS_A, prompt, b"v" * 100)
+    names = b" ".join(client.keys("*")).decode()
+    assert names.count(":p:") == 2  # one marker each
+    unkeyed = [hashlib.blake2b(array("i", ids).tobytes(), digest_size=16).hexdigest() for ids in (prompt, SYS)]
+    unkeyed += [hashlib.sha256(f"prefixserve:{kind}\0{value}".encode()).hexdigest()[:32]
+                for kind, value in (("tenant", NS_A.tenant_id), ("model", NS_A.model_id), ("salt", NS_A.cache_salt))]
+    assert not any(u in names for u in unkeyed)
+    assert replica.key(NS_A, prompt) == t.key(NS_A, prompt)  # replicas share entries
+    mine, theirs = t.key(NS_A, prompt).split(":")[1:], other.key(NS_A, prompt).split(":")[1:]
+    assert all(a != b for a, b in zip(mine, theirs, strict=True))  # space, tenant, salt, model, tokens
+    got = get(replica, NS_A, prompt + (1,))
+    assert isinstance(got, Loaded) and got.token_ids == prompt
+    for x in (t, replica, other):
+        x.close()
+
+
+def test_a_value_of_another_runtime_identity_is_never_served(
+        server: RedisServer, client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose runtime identity differs in any part (runner/identity.py: torch's version or
+    build, our code, the CPU's model or flags, the native build, dtype, kernels, threads, version) or
+    whose model differs finds none of the values of this one, and leaves them be."""
+    fp, others = variants(tmp_path, monkeypatch)
+    t = tier(server, fingerprint=fp)
+    put(t, NS_A, SYS, b"m" * 100)
+    for what, other_fp in others.items():
+        other = tier(server, fingerprint=other_fp)
+        assert isinstance(get(other, NS_A, SYS + (1,)), LoadFailed), what
+        other.close()
+    got = get(t, NS_A, SYS + (1,))
+    assert isinstance(got, Loaded) and got.state == Blob(b"m" * 100)
+    assert (t.stats()["redis_rejected_values"], t.stats()["redis_stale_values"]) == (0, 0)
     t.close()

@@ -13,7 +13,7 @@ import torch
 from prefixserve.models import load_model
 from prefixserve.models.loader import LoadedModel
 from prefixserve.models.threads import KERNEL_THREADS
-from prefixserve.runner import ModelRunner, StepItem, selftest, selftest_memo
+from prefixserve.runner import ModelRunner, StepItem, identity, selftest, selftest_memo
 from prefixserve.runner.selftest import SelfTestResult
 from tests.conftest import IN_PROCESS_THREADS
 from tests.helpers.server_proc import TEST_MODEL_CACHE
@@ -107,7 +107,7 @@ def test_the_fingerprint_covers_what_decides_the_bits(monkeypatch: pytest.Monkey
         lambda: monkeypatch.setenv("OMP_WAIT_POLICY", "passive"),
         lambda: monkeypatch.setenv("PREFIXSERVE_DENSE_MATMUL", "fp32"),
         lambda: monkeypatch.setattr(KERNEL_THREADS, "threads", KERNEL_THREADS.threads + 3),
-        lambda: monkeypatch.setattr(selftest_memo, "_code_digest", lambda: "edited"),
+        lambda: monkeypatch.setattr(identity, "code_digest", lambda: "edited"),
     ):
         change()
         seen.add(json.dumps(selftest_memo.fingerprint(runner, m.identity or ""), sort_keys=True))

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from prefixserve.cache.tier import digest
+from prefixserve.cache.tier import TierKeys
 from tests.helpers.redis_proc import RedisServer
 from tests.helpers.server_proc import ServerProcess
 
@@ -138,7 +138,8 @@ def test_replica_two_is_served_from_redis_exactly_and_isolation_holds(cluster: A
     # DELETE /v1/cache on replica 1 removes alice's keys from Redis (all her salts), bob's stay
     settle(r1, r2)
     client = redis.Redis.from_url(rs.url)
-    alice, bob = (f"prefixserve:*:{digest('tenant', t)}:*" for t in ("alice", "bob"))  # in any key space
+    keys = TierKeys.from_secret(b"a-deployment-secret-of-32-bytes!")  # the names under the deployment's secret
+    alice, bob = (f"prefixserve:*:{keys.digest('tenant', t)}:*" for t in ("alice", "bob"))  # in any key space
     alice_values = [k for k in client.scan_iter(match=alice) if not k.endswith(b":len") and b":p:" not in k]
     bob_keys = sorted(client.scan_iter(match=bob))
     assert len(alice_values) >= 3 and len(bob_keys) >= 4  # unsalted, s, t / unsalted, z (+ length indexes, markers)
