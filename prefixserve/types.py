@@ -6,6 +6,14 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# The one tenant of an open server (no API keys). Its id has characters no tenant name may hold
+# (server/auth.py: names are 1-64 of A-Z a-z 0-9 _ . : @ -) and no unnamed key's id has, so no key
+# file can give a tenant the open server's cached prompts, usage or stored responses.
+OPEN_TENANT_ID = "(open)"
+# The id an open server gave its tenant before that, which a key file could also name: ledgers and
+# stored-responses files of then are migrated once (ledger/store.py, server/response_disk.py).
+LEGACY_OPEN_TENANT_ID = "default"
+
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading token ids `a` and `b` share."""

@@ -19,8 +19,11 @@ from enum import Enum
 
 from prefixserve.ledger.pricing import ModelPrice, Pricing
 from prefixserve.ledger.records import UsageQuery, UsageRecord, UsageRow
+from prefixserve.types import LEGACY_OPEN_TENANT_ID, OPEN_TENANT_ID
 
-SCHEMA_VERSION = 1
+# 2: the open server's tenant is OPEN_TENANT_ID; a version 1 file's rows of LEGACY_OPEN_TENANT_ID are
+# moved to it when a server opens it (`init_schema`)
+SCHEMA_VERSION = 2
 TABLE = "usage_records"
 
 _SCHEMA = f"""
@@ -70,6 +73,12 @@ def connect(path: str, *, query_only: bool = False) -> sqlite3.Connection:
 def init_schema(path: str) -> None:
     """Create parent directories, the file, WAL mode and the schema; idempotent.
 
+    A version 1 file is upgraded in the same transaction: its rows of tenant LEGACY_OPEN_TENANT_ID
+    ("default", what an open server called its tenant then) become OPEN_TENANT_ID's, so an open
+    server's usage reads as the open tenant's and a tenant a key file names `default` starts with
+    none of it. (A deployment whose key file named a tenant `default` before this version finds that
+    tenant's earlier rows under OPEN_TENANT_ID: README, "Isolation", says how to move them back.)
+
     Raises RuntimeError on a file written by a newer (or foreign) schema, OSError / sqlite3.Error
     when the path cannot be created.
     """
@@ -86,12 +95,14 @@ def init_schema(path: str) -> None:
             raise RuntimeError(f"{path}: could not switch the ledger to WAL mode (got {mode})")
         conn.execute("BEGIN IMMEDIATE")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             conn.execute("ROLLBACK")
             raise RuntimeError(f"{path}: ledger schema version {version}, this build reads {SCHEMA_VERSION}")
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
+        if version == 1:
+            conn.execute(f"UPDATE {TABLE} SET tenant_id = ? WHERE tenant_id = ?", (OPEN_TENANT_ID, LEGACY_OPEN_TENANT_ID))
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     finally:
@@ -107,6 +118,9 @@ def open_existing(path: str) -> sqlite3.Connection:
         raise FileNotFoundError(f"no usage ledger at {path}")
     conn = connect(path, query_only=True)
     version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version == 1:
+        conn.close()
+        raise RuntimeError(f"{path} is a ledger of an earlier version: start the server on it once to upgrade it")
     if version != SCHEMA_VERSION:
         conn.close()
         raise RuntimeError(f"{path} is not a prefixserve usage ledger (schema version {version})")

@@ -5,7 +5,10 @@ Every configured key is its own tenant. A key spec is either ``KEY`` (tenant id 
 keys may share a name, e.g. during rotation). Keys are held only as sha256 digests and every presented
 key is compared against all of them with `hmac.compare_digest`, without an early exit.
 
-With no keys the server is open: every caller is the tenant ``OPEN_TENANT_ID``. The admin key (the
+With no keys the server is open: every caller is the tenant ``OPEN_TENANT_ID`` ("(open)"), an id
+no key spec can produce (names allow no parentheses; an unnamed key's id is ``key-<hex>``), so a
+tenant a key file names ``default`` (the open tenant's id before) or anything else never shares the
+open server's cache namespaces, ledger rows or stored responses. The admin key (the
 usage API across tenants, flushing any tenant's cache, /metrics on a server with keys) is recognised
 separately; it is a tenant for generation only if it is also listed.
 
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixserve.server.errors import APIError
+from prefixserve.types import OPEN_TENANT_ID
 
 logger = logging.getLogger("prefixserve.server")
 
-OPEN_TENANT_ID = "default"
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 
 

@@ -33,10 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.ledger.writer import BackgroundWriter, retry_until_done
+from prefixserve.types import LEGACY_OPEN_TENANT_ID, OPEN_TENANT_ID
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2: the open server's tenant is OPEN_TENANT_ID; a version 1 file's rows of LEGACY_OPEN_TENANT_ID are
+# moved to it when opened (`_init_schema`), as the ledger's are (ledger/store.py)
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x70737273  # "psrs": a file of prefixserve's stored responses, not the ledger's nor anyone's
 TABLE = "stored_responses"
 _SCHEMA = f"""
@@ -204,7 +207,9 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 def _init_schema(conn: sqlite3.Connection, path: str) -> None:
-    """WAL mode and the table, in a file that is new or already ours (application_id and user_version)."""
+    """WAL mode and the table, in a file that is new or already ours (application_id and user_version).
+    A version 1 file's responses of tenant LEGACY_OPEN_TENANT_ID become OPEN_TENANT_ID's (an open
+    server's then), in the same transaction."""
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise RuntimeError(f"could not switch to WAL mode (got {mode})")
@@ -218,6 +223,9 @@ def _init_schema(conn: sqlite3.Connection, path: str) -> None:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         elif app_id != APPLICATION_ID:
             raise RuntimeError("not a prefixserve stored-responses file (another SQLite database)")
+        elif version == 1:
+            conn.execute(f"UPDATE {TABLE} SET tenant_id = ? WHERE tenant_id = ?", (OPEN_TENANT_ID, LEGACY_OPEN_TENANT_ID))
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         elif version != SCHEMA_VERSION:
             raise RuntimeError(f"stored-responses schema version {version}, this build reads {SCHEMA_VERSION}")
         conn.execute(_SCHEMA)
