@@ -48,7 +48,7 @@ from prefixserve.server.schemas import (
     TokenizeRequest,
     parse_body,
 )
-from prefixserve.server.tokenize import detokenize, tokenize
+from prefixserve.server.tokenize import detokenize, tokenize, tokenizer_info
 from prefixserve.server.tracking import RequestTracker
 
 logger = logging.getLogger("prefixserve.server")
@@ -234,6 +234,11 @@ def create_app(
         keys.tenant_for_generation(authorization(request))
         body = parse_body(await read_body(request), DetokenizeRequest)
         return await run_in_threadpool(detokenize, body, engine)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info(request: Request) -> dict[str, Any]:
+        keys.identify(authorization(request))  # any key, as /v1/models
+        return await run_in_threadpool(tokenizer_info, engine)
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> Any:

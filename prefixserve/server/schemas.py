@@ -152,7 +152,8 @@ class ResponsesRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    """POST /tokenize (vLLM's shape): `prompt` (as /v1/completions takes one) or `messages` (+ `tools`)."""
+    """POST /tokenize (vLLM's two forms): `prompt` (as /v1/completions takes one) or `messages` (+ `tools`);
+    the fields' meanings and defaults: server/tokenize.py."""
 
     model_config = _STRICT
     model: str | None = None
@@ -160,9 +161,10 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     tool_choice: Any = None
-    add_generation_prompt: bool | None = None  # messages: default true, as a chat request renders them
+    add_generation_prompt: bool | None = None  # messages: default true (false with continue_final_message)
+    continue_final_message: bool | None = None  # messages: end with the last message's content, open
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool | None = None  # only true (the default): what /v1/completions encodes
+    add_special_tokens: bool | None = None  # prompt: default true (what /v1/completions encodes); messages: false
     return_token_strs: bool | None = None
 
 

@@ -1,5 +1,7 @@
-"""POST /tokenize and /detokenize (fake engine): the ids are exactly those a completion or a chat
-request hands the engine (the cache's key), nothing runs, and bad input is an OpenAI-shaped 400."""
+"""POST /tokenize, /detokenize and GET /tokenizer_info (fake engine, and the embedded SmolLM2's
+tokenizer): the ids are exactly those a completion or a chat request hands the engine (the cache's
+key), vLLM's request forms and fields are taken (lm-eval's remote tokenizer sends
+`add_special_tokens: false`), nothing runs, and bad input is an OpenAI-shaped 400."""
 
 from __future__ import annotations
 
@@ -74,10 +76,13 @@ def test_control_tokens_keep_their_text(make_client: Any, smol: Tokenizer) -> No
     [
         ("/tokenize", {}, 400, "messages"),
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt"),
-        ("/tokenize", {"prompt": ""}, 400, "prompt"),
         ("/tokenize", {"prompt": [1, 10**6]}, 400, "prompt"),
-        ("/tokenize", {"prompt": "a", "add_special_tokens": False}, 400, "add_special_tokens"),
         ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "a", "continue_final_message": True}, 400, "continue_final_message"),
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "messages"),
+        ("/tokenize", {"messages": [*MESSAGES, {"role": "assistant", "content": "Hel"}],
+                       "continue_final_message": True, "add_generation_prompt": True}, 400, "continue_final_message"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "add_special_tokens"),
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
          400, "tools[0].function.name"),
@@ -97,5 +102,58 @@ def test_bad_input_is_an_openai_shaped_error(client: TestClient, path: str, body
 
 def test_a_key_is_needed_and_the_admin_key_does_not_generate(client: TestClient) -> None:
     assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
+    assert client.get("/tokenizer_info").status_code == 401
+    assert client.get("/tokenizer_info", headers=auth("sk-wrong")).json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/tokenizer_info", headers=auth(ADMIN)).status_code == 200  # settings, as /v1/models
     assert client.post("/detokenize", json={"tokens": [5]}, headers=auth("sk-wrong")).status_code == 401
     assert client.post("/tokenize", json={"prompt": "a"}, headers=auth(ADMIN)).status_code == 403
+
+
+def test_vllm_prompt_form_with_and_without_special_tokens(client: TestClient) -> None:
+    """The fake tokenizer adds no special tokens: both settings give the completion's ids; an empty
+    text is no tokens, as vLLM answers."""
+    with_sp = client.post("/tokenize", json={"model": "fake-model", "prompt": "ab", "add_special_tokens": True},
+                          headers=auth()).json()
+    plain = client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}, headers=auth()).json()
+    assert with_sp["tokens"] == plain["tokens"] == [ord("a") + 3, ord("b") + 3]
+    assert client.post("/tokenize", json={"prompt": ""}, headers=auth()).json() == {
+        "count": 0, "max_model_len": 512, "tokens": [], "token_strs": None}
+    assert client.post("/detokenize", json={"tokens": []}, headers=auth()).json() == {"prompt": ""}
+
+
+def test_continue_final_message_ends_with_its_content(client: TestClient, engine: FakeEngine) -> None:
+    msgs = [*MESSAGES, {"role": "assistant", "content": "Hello, I am"}]
+    body = client.post("/tokenize", json={"messages": msgs, "continue_final_message": True}, headers=auth()).json()
+    assert engine.tokenizer.decode(body["tokens"]).endswith("<assistant>Hello, I am")
+    closed = client.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}, headers=auth()).json()
+    assert closed["tokens"][: body["count"]] == body["tokens"] and closed["count"] > body["count"]
+
+
+def test_tokenizer_info_fake(client: TestClient) -> None:
+    info = client.get("/tokenizer_info", headers=auth()).json()
+    assert info["tokenizer_class"] == "FakeTokenizer" and info["model_max_length"] == 512 and "eos_token" in info
+
+
+def test_the_embedded_tokenizer_as_lm_eval_reads_it(make_client: Any, smol: Tokenizer) -> None:
+    """What lm-eval's RemoteTokenizer reads: /tokenizer_info's eos/bos/pad tokens and chat template,
+    and /tokenize with add_special_tokens false, whose eos text encodes to the eos id (its
+    eot_token_id). No path of the server's disk is in the answer."""
+    engine = FakeEngine(max_model_len=2048)
+    engine.tokenizer, engine.vocab_size = smol, len(smol.hf)  # type: ignore[assignment]
+    client = make_client(eng=engine)
+    r = client.get("/tokenizer_info", headers=auth())
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
+    assert info["chat_template"] == smol.hf.chat_template and info["tokenizer_class"]
+    assert info["model_max_length"] == 2048
+    assert "name_or_path" not in info and "/" not in str({k: v for k, v in info.items() if k != "chat_template"})
+    eos = client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}, headers=auth())
+    assert eos.json()["tokens"] == [2] == [smol.eos_token_ids[0]]
+    text = " The capital of France is Paris."
+    plain = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=auth()).json()
+    assert plain["tokens"] == smol.encode(text)  # SmolLM2 adds no BOS: the completion's ids
+    msgs = [*MESSAGES, {"role": "assistant", "content": "Hello"}]
+    cont = client.post("/tokenize", json={"messages": msgs, "continue_final_message": True}, headers=auth()).json()
+    rendered = client.post("/detokenize", json={"tokens": cont["tokens"]}, headers=auth()).json()["prompt"]
+    assert rendered.endswith("<|im_start|>assistant\nHello")
