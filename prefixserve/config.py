@@ -99,6 +99,7 @@ class CacheConfig:
     disk_dir: str | None = None  # the disk tier's directory (docs/cache.md)
     disk_max_bytes: int = 0  # the disk tier's budget; 0 = no disk tier
     shared: SharedTierConfig | None = None  # the shared tier on Redis; None = none
+    eviction: str = "lru"  # which entry makes room first: "lru" or "gdsf" (cache/eviction.py)
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
@@ -107,6 +108,8 @@ class CacheConfig:
             raise ValueError("cache disk_max_bytes must be >= 0")
         if self.disk_max_bytes and not self.disk_dir:
             raise ValueError("a disk tier needs a directory")
+        if self.eviction not in ("lru", "gdsf"):
+            raise ValueError(f"cache eviction must be 'lru' or 'gdsf', not {self.eviction!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss, resume_points
+from prefixserve.cache.eviction import LRUOrder, make_order
 from prefixserve.cache.index import RadixIndex, _require
 from prefixserve.cache.room import plan_room
 from prefixserve.cache.state import S
@@ -47,6 +48,7 @@ class PrefixCache(Generic[S]):
         self.config = config
         self._spaces: dict[Namespace, _Space[S]] = {}
         self._lru: OrderedDict[Entry[S], None] = OrderedDict()  # least recently used first
+        self._order: LRUOrder[S] = make_order(config.eviction, self._lru)  # keeps _lru; who goes first
         self._ledger = StorageLedger()  # all entries; shared storage once across namespaces
         self._retired = Counters()  # counters of idle namespaces folded away
         self._sweep_at = MAX_IDLE_NAMESPACES
@@ -76,7 +78,7 @@ class PrefixCache(Generic[S]):
         if not isinstance(hit, Hit):
             counters.num_misses += 1
             return hit
-        self._lru.move_to_end(hit.entry)
+        self._order.used(hit.entry)
         counters.num_cached_tokens += hit.num_cached_tokens
         if hit.num_cached_tokens == len(token_ids):
             counters.num_full_hits += 1
@@ -105,7 +107,7 @@ class PrefixCache(Generic[S]):
             return InsertResult(InsertStatus.DISABLED, None)
         old = space.index.get(key)
         if old is not None:
-            self._lru.move_to_end(old)
+            self._order.used(old)
             if not (state.has_logits and not old.has_logits and old.num_pins == 0):
                 counters.num_duplicate_insertions += 1
                 return InsertResult(InsertStatus.ALREADY_PRESENT, old)
@@ -115,7 +117,7 @@ class PrefixCache(Generic[S]):
         if nbytes > self.config.max_bytes:
             counters.num_rejected_too_large += 1
             return InsertResult(InsertStatus.TOO_LARGE, old)
-        victims = plan_room(self._lru, self._ledger, self.config.max_bytes, pieces, old)
+        victims = plan_room(self._order.victims(), self._ledger, self.config.max_bytes, pieces, old)
         if victims is None:
             counters.num_rejected_no_room += 1
             return InsertResult(InsertStatus.NO_ROOM, old)
@@ -127,7 +129,7 @@ class PrefixCache(Generic[S]):
         num_evicted_bytes = sum(self._evict_one(victim) for victim in victims)
         entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces, points)
         space.index.add(entry)
-        self._lru[entry] = None
+        self._order.added(entry)
         counters.num_insertions += 1
         status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
         return InsertResult(status, entry, len(victims), num_evicted_bytes, tuple(victims))
@@ -164,7 +166,7 @@ class PrefixCache(Generic[S]):
             raise ValueError("num_bytes must be >= 0")
         freed = 0
         while freed < num_bytes:
-            victim = next((e for e in self._lru if e.num_pins == 0), None)
+            victim = next((e for e in self._order.victims() if e.num_pins == 0), None)
             if victim is None:
                 break
             freed += self._evict_one(victim)
@@ -233,7 +235,7 @@ class PrefixCache(Generic[S]):
         for entry in self._lru:
             entry.is_cached = False
             entry.node = None
-        self._lru.clear()
+        self._order.clear()
         self._ledger = StorageLedger()
         for space in self._spaces.values():
             space.index = RadixIndex()
@@ -254,6 +256,7 @@ class PrefixCache(Generic[S]):
             _require(entry.namespace in self._spaces, f"{entry} belongs to an unknown namespace")
             by_space.setdefault(entry.namespace, []).append(entry)
         self._ledger.check(entry.pieces for entry in self._lru)
+        self._order.check()
         for ns, space in self._spaces.items():
             space.index.check()
             members = by_space.get(ns, [])
@@ -280,6 +283,7 @@ class PrefixCache(Generic[S]):
         self._sweep_at = max(MAX_IDLE_NAMESPACES, 2 * len(self._spaces))
 
     def _evict_one(self, entry: Entry[S]) -> int:
+        self._order.evicted(entry)
         freed = self._drop(entry)
         counters = self._spaces[entry.namespace].counters
         counters.num_evictions += 1
@@ -291,6 +295,6 @@ class PrefixCache(Generic[S]):
         space = self._spaces[entry.namespace]
         space.index.remove(entry)
         space.ledger.release(entry.pieces)
-        del self._lru[entry]
+        self._order.dropped(entry)
         entry.is_cached = False
         return self._ledger.release(entry.pieces)
