@@ -5,7 +5,7 @@ STAMP := $(VENV)/.prefixserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install redis-server serve test test-cuda bench soak lint clean
+.PHONY: install redis-server serve test test-cuda bench soak lint clean trace
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,14 @@ bench: install
 	bash bench/peer.sh .peer
 	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
 		--peer-bin .peer/bin/llama-server --out bench/results $(BENCH_ARGS)
+
+# The Mooncake production traces (FAST '25) that bench/trace.py replays: data, never committed
+# (bench/data/ is ignored). docs/cache.md, "Eviction", has the commands and figures.
+TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces
+trace:
+	mkdir -p bench/data
+	for f in conversation_trace synthetic_trace; do \
+		test -s bench/data/$$f.jsonl || curl -fsSL -o bench/data/$$f.jsonl $(TRACE_URL)/$$f.jsonl; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

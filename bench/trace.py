@@ -1,9 +1,7 @@
 """Replay a Mooncake-format production trace against any OpenAI-compatible server, with offline bounds.
 
-Get the trace (data, not in this repository; `make trace` does this):
-
-    git clone --depth 1 https://github.com/kvcache-ai/Mooncake /tmp/Mooncake
-    cp /tmp/Mooncake/FAST25-release/traces/conversation_trace.jsonl bench/data/
+Get the trace (data, not in this repository): `make trace` downloads kvcache-ai/Mooncake's
+`FAST25-release/traces/{conversation,synthetic}_trace.jsonl` into bench/data/ (ignored by git).
 
 Offline (no server; seconds): the trace's working set, the hit rate of an infinite cache, Belady's
 optimum and a block LRU at budgets of 10/25/50% of the working set (or `--cache-max-bytes`), and the
