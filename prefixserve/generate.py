@@ -9,7 +9,6 @@ import time
 import uuid
 
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
-from prefixserve.models.arch import ModelLoadError
 from prefixserve.types import Namespace, Request, SamplingParams
 
 
@@ -48,6 +47,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from prefixserve.engine import build_engine
+    from prefixserve.models.arch import ModelLoadError  # imports torch: not before `serve` listens (cli.py)
 
     try:
         engine = build_engine(ModelConfig(path=args.model, dtype=args.dtype, num_threads=args.threads),

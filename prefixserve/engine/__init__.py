@@ -4,29 +4,55 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
-from prefixserve.engine.async_engine import AsyncEngine
-from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineClient, EngineHealth
-from prefixserve.engine.torch_thread import TorchThread
+
+if TYPE_CHECKING:
+    from prefixserve.engine.async_engine import AsyncEngine
+    from prefixserve.engine.core import EngineCore
 
 log = logging.getLogger("prefixserve.engine")
 
 __all__ = ["AsyncEngine", "EngineClient", "EngineCore", "EngineHealth", "build_engine"]
 
 
+def __getattr__(name: str) -> Any:
+    """AsyncEngine and EngineCore on first use: they import torch (seconds), and the server imports
+    this package's protocol before it listens (server/run.py answers /health while loading)."""
+    if name == "AsyncEngine":
+        from prefixserve.engine.async_engine import AsyncEngine
+
+        return AsyncEngine
+    if name == "EngineCore":
+        from prefixserve.engine.core import EngineCore
+
+        return EngineCore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+Progress = Callable[[str, str], None]  # (phase, what it is doing): server/startup.py's StartupProgress.phase
+
+
 def build_engine(
-    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig
+    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig,
+    progress: Progress | None = None,
 ) -> AsyncEngine:
     """Load the model, run the invariance self-test, and start the engine thread.
 
-    Raises models.ModelLoadError (with a clear message) when the model cannot be loaded."""
+    `progress` is called (on the engine's thread) as each long phase begins: "native_kernels",
+    "loading_model", "self_test" (the two again for --dtype auto's fp32 retry), "cache_tiers" (where
+    a disk or shared tier is configured). Raises models.ModelLoadError (with a clear message) when
+    the model cannot be loaded."""
+    from prefixserve.engine.async_engine import AsyncEngine
+    from prefixserve.engine.torch_thread import TorchThread
+
     thread = TorchThread()
     try:
         core, model_id, tokenizer, detail, vocab_size = thread.call(
-            lambda: _build_core(model_config, cache_config, engine_config)
+            lambda: _build_core(model_config, cache_config, engine_config, progress or _silent)
         )
     except BaseException:
         thread.close()
@@ -55,14 +81,19 @@ def default_num_threads() -> int:
     return max(1, usable_cores() - 1)
 
 
+def _silent(phase: str, detail: str) -> None:
+    pass
+
+
 def _build_core(
-    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig
+    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig, progress: Progress
 ) -> tuple[EngineCore, str, Any, str, int]:
     """Runs on the engine's TorchThread, which all later torch work uses too."""
     import torch
 
     from prefixserve.cache import PrefixCache
-    from prefixserve.models import load_model, resolve_device, resolve_dtype
+    from prefixserve.engine.core import EngineCore
+    from prefixserve.models import load_model, native, resolve_device, resolve_dtype
     from prefixserve.models.threads import KERNEL_THREADS
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest import SelfTestResult
@@ -72,11 +103,25 @@ def _build_core(
     KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype)
-    loaded = load_model(model_config.path, dtype, device, decode_kernel=model_config.decode_kernel,
-                        cache_dir=model_config.cache_dir)
+    if device == "cpu":  # built once per source, compiler and CPU; the load and the self-test use them
+        progress("native_kernels", f"native kernels: building or loading them ({native.build_dir()})")
+        native.library()
+    model_name = os.path.basename(model_config.path) if model_config.path else "the embedded model"
+    cache_note = (f"from or into the prepared-model cache {model_config.cache_dir}" if model_config.cache_dir
+                  else "without the prepared-model cache")
+
+    def load(dtype: torch.dtype, decode_kernel: str) -> Any:
+        progress("loading_model", f"loading {model_name} ({str(dtype).removeprefix('torch.')}, {device}) {cache_note}")
+        return load_model(model_config.path, dtype, device, decode_kernel=decode_kernel,
+                          cache_dir=model_config.cache_dir)
+
+    loaded = load(dtype, model_config.decode_kernel)
     memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")
 
     def self_test(runner: ModelRunner, identity: str | None) -> SelfTestResult:
+        progress("self_test", "self-test: checking that this machine computes cached states exactly"
+                 + (" (a verdict remembered for this machine and build skips most of it)"
+                    if memo is not None and not model_config.fresh_self_test else ""))
         return remembered_self_test(runner, memo, identity, fresh=model_config.fresh_self_test)
 
     runner = ModelRunner(loaded.decoder)
@@ -85,7 +130,7 @@ def _build_core(
         # --dtype auto takes the fastest mode that is exact here: bf16 failed, so try fp32
         log.warning("self-test (%.1fs): %s; trying fp32", result.seconds, result.detail)
         dtype = torch.float32
-        loaded = load_model(model_config.path, dtype, device, decode_kernel="dense", cache_dir=model_config.cache_dir)
+        loaded = load(dtype, "dense")
         runner = ModelRunner(loaded.decoder)
         result = self_test(runner, loaded.identity)
     (log.info if result.ok else log.error)("self-test (%.1fs%s): %s", result.seconds,
@@ -93,6 +138,9 @@ def _build_core(
                                            result.detail)
     disk = shared = None
     if cache_config.max_bytes > 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
+        progress("cache_tiers", "opening the cache tiers (" + ", ".join(
+            ([f"disk {cache_config.disk_dir}"] if cache_config.disk_max_bytes > 0 else [])
+            + (["shared (Redis)"] if cache_config.shared is not None else [])) + ")")
         from prefixserve import __version__
         from prefixserve.cache.tier import TierKeys
         from prefixserve.runner.codec import SnapshotCodec

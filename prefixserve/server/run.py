@@ -2,7 +2,10 @@
 server/settings.py).
 
 Start-up checks everything it can before the model loads: a bad setting, an unusable file or
-directory (named by its flag), a port in use are each one line on stderr and exit status 2. On
+directory (named by its flag), a port in use are each one line on stderr and exit status 2. Then the
+port listens at once: while the model loads, /health answers 503 ``{"status": "loading", "phase",
+"elapsed_s", ...}`` and every other request a 503 to retry, and each long phase prints a line on
+the console, the last one the URL and the start-up's time (server/startup.py). On
 SIGTERM (or Ctrl-C) uvicorn stops accepting connections; requests in flight get up to
 --shutdown-timeout seconds, then the engine ends the rest (server/shutdown.py, docs/architecture.md,
 "Shutdown"); then the app's lifespan drains the engine and closes the ledger and the stored responses'
@@ -18,9 +21,10 @@ import signal
 import socket
 import sqlite3
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.config import (
     SHARED_SECRET_MIN_BYTES,
@@ -33,11 +37,16 @@ from prefixserve.config import (
     default_data_dir,
     default_model_cache_dir,
 )
-from prefixserve.engine.protocol import EngineClient
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 from prefixserve.server.response_store import open_response_store
 from prefixserve.server.settings import api_key_specs, resolve_all
+from prefixserve.server.startup import LoadingServer, StartupProgress, hand_over
+
+if TYPE_CHECKING:  # not at run time: prefixserve.engine imports torch, seconds the port would not answer in
+    from prefixserve.engine.protocol import EngineClient
+
+STARTUP_TIMES = "startup-times.json"  # beside the prepared models: each model's last start-up, phase by phase
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -117,26 +126,47 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
-    from prefixserve.engine import build_engine
-    from prefixserve.models import ModelLoadError
+    url = server_url(server_config.host, sock)
+    progress = StartupProgress(
+        out=sys.stdout if logging.getLevelName(s["log_level"].upper()) in (logging.DEBUG, logging.INFO) else None,
+        timings_path=None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, STARTUP_TIMES),
+        key=f"{os.path.abspath(model_config.path) if model_config.path else 'embedded'}|{model_config.dtype}|"
+            f"{model_config.device}")
+    loading = LoadingServer(sock, progress)
+    loading.start()  # /health answers "loading" from now on
 
-    logger.info("loading the model ...")
-    try:
-        engine = build_engine(model_config, cache_config, engine_config)
-    except ConfigError as e:  # a setting the model loaded cannot work with (config.py)
-        print(f"prefixserve serve: {e}", file=sys.stderr)
+    def abandon() -> None:  # a start-up that ends before serving
+        loading.stop()
+        progress.close()
         _close(ledger, responses)
         sock.close()
+
+    try:
+        progress.phase("importing", "importing the runtime (torch, transformers)")
+        from prefixserve.engine import build_engine
+        from prefixserve.models import ModelLoadError
+    except BaseException:
+        abandon()
+        raise
+    _INTERRUPTIBLE.set()
+    if _STOP.is_set():  # a SIGTERM during the imports
+        abandon()
+        return 0
+    logger.info("loading the model ...")
+    try:
+        engine = build_engine(model_config, cache_config, engine_config, progress=progress.phase)
+    except ConfigError as e:  # a setting the model loaded cannot work with (config.py)
+        print(f"prefixserve serve: {e}", file=sys.stderr)
+        abandon()
         return 2
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
-        _close(ledger, responses)
-        sock.close()
+        abandon()
         return 1
     except BaseException:
-        _close(ledger, responses)
-        sock.close()
+        abandon()
         raise
+    progress.phase("starting_http", f"starting HTTP on {url}")
     from prefixserve.server.app import create_app
 
     # owns engine, ledger and stored responses from here
@@ -146,13 +176,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = create_app(engine, server_config, ledger, keys=keys, keys_source=keys_source if s["api_keys_file"] else None,
                      response_store=responses)
-    return serve_app(app, server_config.host, server_config.port, s["log_level"], sock, engine=engine,
-                     shutdown_timeout_s=server_config.shutdown_timeout_s)
+    try:
+        return serve_app(app, server_config.host, server_config.port, s["log_level"], sock, engine=engine,
+                         shutdown_timeout_s=server_config.shutdown_timeout_s, before_serving=loading.stop,
+                         on_ready=lambda: progress.ready(url, engine.model_id))
+    finally:
+        loading.stop()
+        progress.close()
+
+
+def server_url(host: str, sock: socket.socket) -> str:
+    """http://host:port of the bound socket (its real port where --port was 0), IPv6 in brackets."""
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening: until the server starts, connections
-    are refused (health checks keep polling) rather than left hanging in a backlog."""
+    """A TCP socket bound to (host, port), not yet listening: `run_serve`'s LoadingServer
+    (server/startup.py) listens on it as soon as the settings are checked, then uvicorn serves it."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -166,20 +207,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: socket.socket | None = None, *,
-              engine: EngineClient | None = None, shutdown_timeout_s: float = 30.0) -> int:
+              engine: EngineClient | None = None, shutdown_timeout_s: float = 30.0,
+              before_serving: Callable[[], None] | None = None, on_ready: Callable[[], Any] | None = None) -> int:
     """Run uvicorn until SIGTERM / SIGINT, then shut down within `shutdown_timeout_s` (plus the time
     the engine takes to end what is left: server/shutdown.py); 0 on a clean shutdown. `sock`: a socket
     already bound to (host, port) (`bind_socket`); None binds here. `engine`: the app's, whose
-    requests are ended when the grace runs out."""
+    requests are ended when the grace runs out. `before_serving` runs as the app's lifespan start-up
+    ends, before uvicorn accepts on `sock` (the loading server's stop); `on_ready` once it accepts."""
     import uvicorn
 
     from prefixserve.server import shutdown
 
+    endings = getattr(getattr(app, "state", None), "endings", None)
+    if before_serving is not None:
+        app = hand_over(app, before_serving)
     config = uvicorn.Config(  # the access log line comes from server/middleware.py, after the response
         app, host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=5, access_log=False
     )
-    server = shutdown.GracefulServer(config, engine, shutdown_timeout_s,
-                                     endings=getattr(getattr(app, "state", None), "endings", None))
+    server = shutdown.GracefulServer(config, engine, shutdown_timeout_s, endings=endings, on_started=on_ready)
     # uvicorn installs the server's handler while it runs and puts back what it found: the same one,
     # so a signal in the moments before and after is recorded too, never a death by SIGTERM
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -282,5 +327,15 @@ def _close(*owned: Any | None) -> None:
             thing.close()
 
 
+_STOP = threading.Event()  # a SIGTERM arrived before the server served
+_INTERRUPTIBLE = threading.Event()  # set once the heavy imports are done: SIGTERM may raise SystemExit
+
+
 def _exit_now(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+    """SIGTERM before the server serves: exit cleanly. While torch and the model's modules are being
+    imported it only records the request (`_STOP`, read right after them): a SystemExit raised inside
+    an import leaves half-imported modules (numpy's "cannot load module more than once") and a
+    traceback. Later (the main thread waits for the model's load) it raises SystemExit at once."""
+    _STOP.set()
+    if _INTERRUPTIBLE.is_set():
+        raise SystemExit(0)

@@ -20,7 +20,9 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -42,12 +44,18 @@ class GracefulServer(uvicorn.Server):
     lifespan shutdown always runs. `engine` None: nothing to end (an app without one)."""
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient | None, grace_s: float,
-                 endings: Endings | None = None) -> None:
+                 endings: Endings | None = None, on_started: Callable[[], Any] | None = None) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
         self.endings = endings  # the app's (app.state.endings): the last word of a request cancelled
+        self.on_started = on_started  # once the sockets accept (run.py: the start-up's last line)
         self.signals: list[str] = []  # the names of the signals received, in order
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Runs in the signal's context: only records (the shutdown task reads it and logs)."""
