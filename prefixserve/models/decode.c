@@ -225,21 +225,9 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even; NaN stays N
 
 static inline vec silu(vec g) {
     /* g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below */
-#if defined(__AVX512F__)
-    vec a = _mm512_abs_ps(g);
-    vec e = v_exp(V_SUB(V_ZERO(), a));
+    vec e = v_exp(V_SUB(V_ZERO(), V_ABS(g)));
     vec one = V_SET1(1.0f), den = V_ADD(one, e);
-    __mmask16 neg = _mm512_cmp_ps_mask(g, V_ZERO(), _CMP_LT_OQ);
-    vec num = _mm512_mask_blend_ps(neg, one, e);
-    return V_MUL(g, V_DIV(num, den));
-#else
-    vec r;
-    for (int i = 0; i < 16; i++) {
-        float x = g.f[i], e = expf(-fabsf(x));
-        r.f[i] = x * ((x < 0.0f ? e : 1.0f) / (1.0f + e));
-    }
-    return r;
-#endif
+    return V_MUL(g, V_DIV(v_if_negative(g, one, e), den));
 }
 
 enum { KEY_CHUNK = 64, MAXREP = 8, KV_DESC = 5, KV_AHEAD = 24 /* rows prefetched ahead */ };  /* keys per scoring task; query heads per kv head scored together */

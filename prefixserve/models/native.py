@@ -10,6 +10,13 @@ load the built file. Where no compiler is found or the build fails, `library()` 
 callers use their torch formulation (same contract, slower; logged once). PREFIXSERVE_NATIVE=0
 turns the kernels off.
 
+PREFIXSERVE_NATIVE_ISA holds the build to an instruction-set level the CPU can execute, so one
+machine tests the code every CPU class runs (docs/exactness.md, "Every CPU class"): `native` (the
+default: all the CPU has), `avx512` (no AMX: an AMD Zen 4's set), `avx2` (x86-64-v3: AVX2 + FMA, an
+AMD Zen 3's set), `generic` (x86-64-v2: simd.h's plain C). `effective_flags()` is the CPU's flags
+less what the level leaves out; the loader reads bf16 arithmetic from it. Torch is held to the same
+level by its own variables (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2).
+
 -ffp-contract=off: every fused multiply-add in the source is one it writes, never one the compiler
 chose per call site, so two inlined copies of a loop cannot round differently (docs/exactness.md).
 """
@@ -34,7 +41,14 @@ log = logging.getLogger("prefixserve.models")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = tuple(os.path.join(_HERE, name) for name in ("attention.c", "qmatmul.c", "amx.c", "decode.c"))
 _HEADERS = (os.path.join(_HERE, "simd.h"),)
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
+# PREFIXSERVE_NATIVE_ISA -> (-march flags, flag prefixes the level leaves out, flags the CPU needs for it)
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "native": (("-march=native",), (), ()),
+    "avx512": (("-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), ("amx",), ("avx512f",)),
+    "avx2": (("-march=x86-64-v3",), ("avx512", "amx", "avx_vnni"), ("avx2", "fma")),
+    "generic": (("-march=x86-64-v2",), ("avx512", "amx", "avx_vnni", "avx2", "fma", "avx", "f16c"), ()),
+}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -59,8 +73,40 @@ def cpu_info() -> dict[str, str]:
     return fields
 
 
+def isa() -> str:
+    """The instruction-set level of the build (PREFIXSERVE_NATIVE_ISA, default native). Raises
+    ValueError for a level this module does not know or this CPU cannot execute."""
+    level = os.environ.get("PREFIXSERVE_NATIVE_ISA", "native") or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"PREFIXSERVE_NATIVE_ISA must be one of {', '.join(ISA_LEVELS)}, not {level!r}")
+    missing = [f for f in ISA_LEVELS[level][2] if f not in _cpu_flags().split()]
+    if missing:
+        raise ValueError(f"PREFIXSERVE_NATIVE_ISA={level}: this CPU lacks {', '.join(missing)}")
+    return level
+
+
+def executable_levels() -> list[str]:
+    """The ISA levels this CPU can run, widest first (tests run the kernels at each)."""
+    flags = _cpu_flags().split()
+    return [name for name, (_, _, needs) in ISA_LEVELS.items() if all(f in flags for f in needs)]
+
+
+def effective_flags() -> list[str]:
+    """The CPU's flags less those the ISA level leaves out: what the build (and a model's choice of
+    bf16 arithmetic) may use."""
+    try:
+        dropped = ISA_LEVELS[isa()][1]
+    except ValueError:
+        dropped = ()
+    return [f for f in _cpu_flags().split() if not f.startswith(dropped)]
+
+
 def _cpu_flags() -> str:
     return cpu_info().get("flags", "")
+
+
+def _march() -> tuple[str, ...]:
+    return ISA_LEVELS[isa()][0]
 
 
 def build_dir() -> str:
@@ -78,7 +124,7 @@ def digest() -> str:
         for path in _SOURCES + _HEADERS:
             with open(path, "rb") as f:
                 h.update(f.read())
-        h.update(" ".join(_FLAGS).encode())
+        h.update(" ".join(_FLAGS + _march()).encode())
         h.update(_cpu_flags().encode())
         _digest = h.hexdigest()
     return _digest
@@ -95,7 +141,7 @@ def _build(cc: str) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *_FLAGS, *_march(), "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
     finally:
@@ -113,6 +159,11 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("PREFIXSERVE_NATIVE", "1") == "0":
             log.info("native kernels: off (PREFIXSERVE_NATIVE=0); attention uses its torch formulation")
+            return None
+        try:
+            level = isa()
+        except ValueError as e:
+            log.warning("native kernels: %s; attention uses its torch formulation", e)
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
@@ -145,6 +196,7 @@ def library() -> ctypes.CDLL | None:
         lib.rows_logits.restype = ctypes.c_int
         lib.rows_logits.argtypes = [P, ctypes.c_float, P, P, P, P, ctypes.c_int]
         lib.amx_ready()  # ask for the AMX tiles now: attention.c's bf16 path runs on them once granted
+        log.info("native kernels: %s (ISA level %s)", os.path.basename(lib._name), level)
         _lib = lib
         return lib
 

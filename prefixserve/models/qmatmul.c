@@ -38,7 +38,9 @@ static inline __attribute__((always_inline)) void hsum_block(int R, vec acc[4][O
     if (R > 2) _mm_storeu_ps(out + 2 * ldo, _mm512_extractf32x4_ps(y, 2));
     if (R > 3) _mm_storeu_ps(out + 3 * ldo, _mm512_extractf32x4_ps(y, 3));
 #else
-    for (int r = 0; r < R; r++) memcpy(out + r * ldo, y.f + OB * r, OB * sizeof(float));
+    float lanes[16];
+    V_STORE(lanes, y);
+    for (int r = 0; r < R; r++) memcpy(out + r * ldo, lanes + OB * r, OB * sizeof(float));
 #endif
 }
 
@@ -48,12 +50,7 @@ static inline __attribute__((always_inline)) void block(int R, int q8, const flo
     for (int r = 0; r < R; r++)
         for (int j = 0; j < OB; j++) acc[r][j] = V_ZERO();
     int64_t groups = K / 32;
-#if defined(__AVX512F__)
-    const vec iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-#else
-    vec iota;
-    for (int i = 0; i < 16; i++) iota.f[i] = (float)i;
-#endif
+    const vec iota = V_IOTA();
     for (int64_t g = 0; g < groups; g++) {
         vec lo[OB], hi[OB], s[OB];
         const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
@@ -127,12 +124,7 @@ static inline __attribute__((always_inline)) void block_wide(int R, int q8, cons
 /* one block of OB outputs as fp32 weights wb [groups][OB][32] (codes 0..15, then 16..31) and, for
  * Q8, scales sc [groups][OB] */
 static void widen(int q8, int64_t K, const uint8_t *q, float *wb, float *sc) {
-#if defined(__AVX512F__)
-    const vec iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-#else
-    vec iota;
-    for (int i = 0; i < 16; i++) iota.f[i] = (float)i;
-#endif
+    const vec iota = V_IOTA();
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
         const float *scale = (const float *)(p + (q8 ? 128 : 64)), *bias = scale + 4;

@@ -1,7 +1,8 @@
-/* 16-lane fp32 vectors for the native kernels (attention.c, qmatmul.c): AVX-512 intrinsics where the
- * CPU has them, else plain C over 16 lanes. Both do the same operations lane by lane (one rounding
- * per multiply, add or fused multiply-add); only v_exp differs (a polynomial vs expf), which is one
- * reason the CPU's flags are part of a build's identity (models/native.py). */
+/* 16-lane fp32 vectors for the native kernels (attention.c, qmatmul.c, decode.c): AVX-512 intrinsics
+ * where the build targets them, two 8-lane AVX2 + FMA halves where it targets AVX2, else plain C over
+ * 16 lanes. All three do the same operations lane by lane (one rounding per multiply, add or fused
+ * multiply-add) and the same reduction trees; v_exp is one polynomial on AVX-512 and AVX2 (the same
+ * bits) and expf in plain C. The ISA level is part of a build's identity (models/native.py). */
 #ifndef PREFIXSERVE_SIMD_H
 #define PREFIXSERVE_SIMD_H
 #include <math.h>
@@ -59,6 +60,90 @@ static inline void v_q4(const uint8_t *p, vec table, vec *lo, vec *hi) {
 static inline vec v_q8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+static inline vec V_ABS(vec v) { return _mm512_abs_ps(v); }
+/* lanes where g < 0 take b, the others a */
+static inline vec v_if_negative(vec g, vec a, vec b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
+}
+static inline vec V_IOTA(void) { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* lanes 0-7 in lo, 8-15 in hi */
+typedef struct { __m256 lo, hi; } vec;
+static inline vec v_pair(__m256 lo, __m256 hi) { vec r = {lo, hi}; return r; }
+static inline vec V_ZERO(void) { return v_pair(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vec V_SET1(float a) { return v_pair(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+static inline vec V_LOAD(const float *p) { return v_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void V_STORE(float *p, vec v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline vec V_FMA(vec a, vec b, vec c) { return v_pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)); }
+static inline vec V_ADD(vec a, vec b) { return v_pair(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline vec V_MUL(vec a, vec b) { return v_pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline vec V_SUB(vec a, vec b) { return v_pair(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+static inline vec V_MAX(vec a, vec b) { return v_pair(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline vec V_DIV(vec a, vec b) { return v_pair(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+static inline float v_hmax(vec v) { /* max is exact in any order */
+    __m256 m = _mm256_max_ps(v.lo, v.hi);
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_max_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+/* the AVX-512 v_exp's steps on 8 lanes; its scalef(p, n) is p * 2^n here, one rounding either way
+ * (n >= -126, so 2^n is a normal float and the product is one correctly rounded multiply) */
+static inline __m256 v_exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(dead, p);
+}
+static inline vec v_exp(vec x) { return v_pair(v_exp8(x.lo), v_exp8(x.hi)); }
+static inline __m256 v_bf16_8(const uint16_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline vec v_load_bf16(const uint16_t *p) { return v_pair(v_bf16_8(p), v_bf16_8(p + 8)); }
+/* table[idx & 15] for 8 lanes: the low 3 bits pick within a half, bit 3 (moved to the sign) the half */
+static inline __m256 v_lookup16(vec table, __m256i idx, int bit3_shift) {
+    __m256 a = _mm256_permutevar8x32_ps(table.lo, idx), b = _mm256_permutevar8x32_ps(table.hi, idx);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, bit3_shift)));
+}
+static inline void v_q4(const uint8_t *p, vec table, vec *lo, vec *hi) {
+    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    *lo = v_pair(v_lookup16(table, b0, 28), v_lookup16(table, b1, 28));
+    *hi = v_pair(v_lookup16(table, _mm256_srli_epi32(b0, 4), 28), v_lookup16(table, _mm256_srli_epi32(b1, 4), 28));
+}
+static inline vec v_q8(const int8_t *p) {
+    return v_pair(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
+}
+static inline vec V_ABS(vec v) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return v_pair(_mm256_and_ps(v.lo, m), _mm256_and_ps(v.hi, m));
+}
+/* lanes where g < 0 take b, the others a */
+static inline vec v_if_negative(vec g, vec a, vec b) {
+    const __m256 z = _mm256_setzero_ps();
+    return v_pair(_mm256_blendv_ps(a.lo, b.lo, _mm256_cmp_ps(g.lo, z, _CMP_LT_OQ)),
+                  _mm256_blendv_ps(a.hi, b.hi, _mm256_cmp_ps(g.hi, z, _CMP_LT_OQ)));
+}
+static inline vec V_IOTA(void) {
+    return v_pair(_mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set_ps(15, 14, 13, 12, 11, 10, 9, 8));
+}
 #else
 typedef struct { float f[16]; } vec;
 static inline vec V_ZERO(void) { vec r; for (int i = 0; i < 16; i++) r.f[i] = 0.0f; return r; }
@@ -88,6 +173,13 @@ static inline void v_q4(const uint8_t *p, vec table, vec *lo, vec *hi) {
     }
 }
 static inline vec v_q8(const int8_t *p) { vec r; for (int i = 0; i < 16; i++) r.f[i] = (float)p[i]; return r; }
+static inline vec V_ABS(vec v) { vec r; for (int i = 0; i < 16; i++) r.f[i] = fabsf(v.f[i]); return r; }
+static inline vec v_if_negative(vec g, vec a, vec b) {
+    vec r;
+    for (int i = 0; i < 16; i++) r.f[i] = g.f[i] < 0.0f ? b.f[i] : a.f[i];
+    return r;
+}
+static inline vec V_IOTA(void) { vec r; for (int i = 0; i < 16; i++) r.f[i] = (float)i; return r; }
 #endif
 
 /* t[i] += t[i + w] for w = 8, 4, 2, 1: a fixed tree over the 16 lanes */
@@ -98,6 +190,29 @@ static inline float hsum(vec v) {
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
     b = _mm_add_ss(b, _mm_movehdup_ps(b));
     return _mm_cvtss_f32(b);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float hsum(vec v) {
+    __m256 a = _mm256_add_ps(v.lo, v.hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+/* lane j = hsum of 8 vectors' 8 lanes (after the w = 8 step), by its tree: w = 4 as 128-bit halves,
+ * w = 2 and 1 as in-lane shuffles */
+static inline __m256 hsum8x8(const __m256 u[8]) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(u[2 * i], u[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(u[2 * i], u[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* r holds vectors 0 2 4 6 | 1 3 5 7: back in order */
+    return _mm256_permutevar8x32_ps(r, _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
 }
 #else
 static inline float hsum(vec v) {
@@ -123,6 +238,10 @@ static inline vec hsum16(const vec t[16]) {
     /* r's lane L holds the sum of t[0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15]: back in order */
     const __m512i order = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
     return _mm512_permutexvar_ps(order, r);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 u[16];
+    for (int i = 0; i < 16; i++) u[i] = _mm256_add_ps(t[i].lo, t[i].hi);
+    return v_pair(hsum8x8(u), hsum8x8(u + 8));
 #else
     vec r;
     for (int j = 0; j < 16; j++) r.f[j] = hsum(t[j]);

@@ -1,0 +1,49 @@
+"""Run in a child process at one PREFIXSERVE_NATIVE_ISA level (tests/runner/test_isa_levels.py): the
+native kernels' outputs on fixed inputs, the embedded model's greedy run through the native 4-bit
+prefill and decode, and whether a prompt resumed at a split point gives its one-shot logits, saved to the file named on the command line for the parent to compare."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def main(out_path: str) -> None:
+    from prefixserve.config import default_model_cache_dir
+    from prefixserve.models import load_model, native
+    from prefixserve.runner import ModelRunner
+    from prefixserve.runner.runner import StepItem
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(5)
+    out: dict[str, torch.Tensor | str] = {"isa": native.isa(), "build": native.build_name()}
+    for dtype in (torch.float32, torch.bfloat16):
+        for start, rows in ((0, 1), (0, 37), (300, 1), (600, 40)):
+            kv = torch.randn(2, 3, start + rows + 5, 64, generator=g).to(dtype)
+            q = torch.randn(rows, 9, 64, generator=g).to(dtype)
+            out[f"attention-{dtype}-{start}-{rows}"] = native.attention(q, kv[0], kv[1], start)
+    # no self-test: the default tiles and one thread for every call, the same calls at each level
+    m = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4", cache_dir=default_model_cache_dir(os.environ))
+    runner = ModelRunner(m.decoder, 1)
+    out["matmuls"] = m.decoder.matmuls
+    ids = torch.randint(0, m.arch.vocab_size, (150,), generator=g).tolist()
+    st = runner.new_state()
+    runner.step([StepItem(st, ids)])
+    assert st.logits is not None
+    logits = [st.logits.clone()]
+    for _ in range(8):
+        token = int(torch.argmax(logits[-1]))
+        runner.step([StepItem(st, [token], decode=True)])
+        logits.append(st.logits.clone())
+    out["logits"] = torch.stack(logits)
+    split = runner.new_state()
+    runner.step([StepItem(split, ids[:77])])
+    runner.step([StepItem(split, ids[77:])])
+    out["resumed_equal"] = bool(torch.equal(split.logits, logits[0]))
+    torch.save(out, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
