@@ -107,6 +107,7 @@ class Decoder:
         self.matmul_dtype = self.dtype  # what the dense tiles multiply in (`use_fp32_matmuls`)
         self.prefill_q4 = False  # prefill's matmuls on the 4-bit packs (`use_fp32_matmuls`)
         self.amx = False  # dense matmuls on AMX tiles (models/amx_tiles.py `attach`)
+        self.kernel_choice = ""  # how the loader chose the kernels above, for logs and /health (kernel_choice.py)
         self._norms32: dict[int, torch.Tensor] = {}
         self._native_plan: native_decode.DecodePlan | None | bool = False  # False: not made yet
 

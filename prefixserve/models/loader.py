@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.models import amx_tiles, native, prepared, quant
+from prefixserve.models import amx_tiles, kernel_choice, native, prepared, quant
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.decoder import Decoder
 from prefixserve.models.gguf_loader import GGUFModel
@@ -78,7 +78,7 @@ def _dense_matmul_choice() -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    flags = native.cpu_info().get("flags", "").split()
+    flags = native.effective_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -139,15 +139,32 @@ def load_model(
 
 
 def _widened(m: LoadedModel) -> LoadedModel:
-    """A Llama-family decoder whose prefill multiplies the 4-bit codes or fp32 copies where
-    `fp32_matmuls_wanted`, else its bf16 weights on AMX tiles where the CPU has them
-    (models/amx_tiles.py); after any prepared-model cache has stored the bf16 weights."""
-    if fp32_matmuls_wanted(m.decoder.dtype, m.decoder.device.type):
-        m.decoder.use_fp32_matmuls(q4=_dense_matmul_choice() != "fp32")
-    elif (_dense_matmul_choice() in ("auto", "amx") and m.decoder.device.type == "cpu"
-          and amx_tiles.attach(m.decoder) == 0 and _dense_matmul_choice() == "amx"):
+    """A Llama-family decoder configured for this CPU, after any prepared-model cache has stored the
+    bf16 weights: on a CPU with PREFIXSERVE_DENSE_MATMUL=auto, the fastest of its exact prefill
+    kernels, timed here (models/kernel_choice.py); set by that variable otherwise: the 4-bit codes or
+    fp32 copies where `fp32_matmuls_wanted`, else AMX tiles where the CPU has them."""
+    dec = m.decoder
+    choice = _dense_matmul_choice()
+    if choice == "auto" and dec.dtype == torch.bfloat16 and dec.device.type == "cpu" and _timeable(dec):
+        picked = kernel_choice.choose(dec)
+        dec.kernel_choice = picked.describe()
+        log.info("%s", dec.kernel_choice)
+    elif fp32_matmuls_wanted(dec.dtype, dec.device.type):
+        dec.use_fp32_matmuls(q4=choice != "fp32")
+    elif (choice in ("auto", "amx") and dec.device.type == "cpu"
+          and amx_tiles.attach(dec) == 0 and choice == "amx"):
         raise ModelLoadError("PREFIXSERVE_DENSE_MATMUL=amx needs a bf16 model on a CPU with AMX (and the native kernels)")
     return m
+
+
+# Timing the fp32 candidate holds fp32 copies of every weight beside the bf16 ones for a moment: past
+# this many bf16 weight bytes the loader decides by the CPU's flags instead (`fp32_matmuls_wanted`).
+MAX_TIMED_WEIGHT_BYTES = 2 << 30
+
+
+def _timeable(dec: Decoder) -> bool:
+    size = sum(t.numel() * t.element_size() for lw in dec.layers for t in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
+    return 0 < size <= MAX_TIMED_WEIGHT_BYTES
 
 
 def _load_gguf_cached(

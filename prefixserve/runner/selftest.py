@@ -95,6 +95,8 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
             matmuls = getattr(dec, "matmuls", f"{dec.dtype} matmuls")  # models/decoder.py `use_fp32_matmuls`
             notes.insert(0, f"exact: {matmuls} in row tiles {plan}, decode kernel {dec.decode_kernel}, "
                             f"attention {attention}, {KERNEL_THREADS.describe()}")
+            if getattr(dec, "kernel_choice", ""):
+                notes.insert(1, dec.kernel_choice)
             return SelfTestResult(True, str(plan), dec.decode_kernel, "; ".join(notes), time.perf_counter() - t0)
         KERNEL_THREADS.allow(int4_kinds)
         notes.append(f"tiles {plan} refused: {why}")

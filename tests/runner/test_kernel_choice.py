@@ -1,0 +1,56 @@
+"""Kernels chosen by timing (models/kernel_choice.py): the choosing logic on given timings, what the
+start-up log says, and the real decoder configured by the verdict, remembered for the next process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixserve.models import kernel_choice, load_model
+from prefixserve.models.kernel_choice import KernelChoice, fastest
+
+
+def test_fastest_takes_the_least_time_of_its_group():
+    seconds = {"matmul:amx": 0.30, "matmul:q4": 0.12, "matmul:fp32": 0.11, "matmul:bf16": 0.95,
+               "attention:native": 0.002, "attention:torch": 0.009}
+    assert fastest(seconds, "matmul") == "fp32"
+    assert fastest(seconds, "attention") == "native"
+    assert fastest({"matmul:q4": 0.1, "matmul:fp32": 0.1}, "matmul") == "q4"  # a tie: the earlier
+    with pytest.raises(ValueError):
+        fastest({"matmul:q4": 0.1}, "attention")
+
+
+def test_describe_names_the_winner_and_what_it_beat_by_how_much():
+    c = KernelChoice("q4", "native", {"matmul:q4": 0.050, "matmul:fp32": 0.060, "matmul:bf16": 0.200})
+    line = c.describe()
+    assert "matmul q4 50.0 ms" in line and "beat fp32 1.20x, bf16 4.00x" in line and "timed here" in line
+    assert "not timed" in KernelChoice("amx", "native").describe()
+
+
+@pytest.mark.slow
+def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
+    # decoders as built (a set PREFIXSERVE_DENSE_MATMUL=bf16 attaches nothing), chosen for here
+    monkeypatch.setenv("PREFIXSERVE_DENSE_MATMUL", "bf16")
+    timed: list[str] = []
+    real = kernel_choice._time_prefill
+
+    def spy(dec, give_up_after):
+        timed.append(dec.matmuls)
+        return real(dec, give_up_after)
+
+    monkeypatch.setattr(kernel_choice, "_time_prefill", spy)
+    dec = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
+    built = dec.kernel_fingerprint()
+    choice = kernel_choice.choose(dec, str(tmp_path))
+    assert len(timed) == len(kernel_choice._candidates(dec)) >= 3 and not choice.remembered
+    assert set(choice.seconds) >= {f"matmul:{m}" for m in ("q4", "fp32", "bf16")}
+    assert choice.matmul == fastest(choice.seconds, "matmul")
+    configured = {"amx": dec.amx, "q4": dec.prefill_q4, "fp32": dec.matmul_dtype == torch.float32}
+    assert all(on == (name == choice.matmul) for name, on in configured.items())
+    assert (dec.kernel_fingerprint() == built) == (choice.matmul == "bf16")
+    timed.clear()
+    again = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
+    second = kernel_choice.choose(again, str(tmp_path))
+    assert timed == [] and second.remembered
+    assert (second.matmul, second.attention, second.seconds) == (choice.matmul, choice.attention, choice.seconds)
+    assert again.kernel_fingerprint() == dec.kernel_fingerprint()
