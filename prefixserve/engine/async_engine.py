@@ -253,7 +253,7 @@ class AsyncEngine:
                 self._publish()
 
     def _run(self) -> None:
-        """The engine loop. A failed step fails only the requests it concerns (EngineCore.
+        """The engine loop. A failed step fails only the requests it concerns (engine/step_record.py,
         control.recover); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
         in a row, stops the engine: /health turns 503 and every open request ends with the error."""
         failed_in_a_row, worked, last_work = 0, False, 0.0
@@ -330,7 +330,7 @@ class AsyncEngine:
                 except Exception as e:  # this request only: it cannot be queued
                     log.exception("could not queue request %s", arg.request_id)
                     self._emit(arg.request_id, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
-                                                     error=f"{type(e).__name__}: {e}"))
+                                                     usage=Usage(0, 0, 0), error=f"{type(e).__name__}: {e}"))
             elif kind == "abort":
                 try:
                     self.core.abort(arg)

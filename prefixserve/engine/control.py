@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from prefixserve.engine.protocol import FlushReport, TierFlush
 from prefixserve.engine.session import Phase
-from prefixserve.types import FinishReason, FlushScope
+from prefixserve.engine.step_record import StepPhase, StepRecord, fail_request, stuck
+from prefixserve.types import FlushScope
 
 if TYPE_CHECKING:
     from prefixserve.engine.core import EngineCore
@@ -35,27 +36,36 @@ def flush(core: EngineCore, scope: FlushScope) -> FlushReport:
 
 
 def recover(core: EngineCore, message: str) -> None:
-    """The last `core.step()` raised `message`. A session that failed alone gets the error (an
-    OpenAI 500 carrying `message`); the sessions of a failed batch become suspects that run alone,
-    one step each, until each either passes or fails alone; sessions not in it are untouched. A
-    recurrent (hybrid) state may have been updated in place, so it is never retried. Pending
-    refills are dropped (a cache optimisation, never worth a retry)."""
-    involved = [(s, t) for s, t in core._last_step if s.phase is not Phase.FINISHED]
-    core._last_step = []
+    """`core.step()` raised `message`; `core.record`, the failed step's own record, says how far it
+    got (engine/step_record.py). Pending refills are dropped (a cache optimisation, never worth a retry).
+
+    Before the forward's results were taken, no session shows the step: each session it fed is put
+    back as it was (its decode token pending again, keys a partial forward wrote past its length
+    zeroed) and the step is retried. A session that failed alone gets the error (an OpenAI 500
+    carrying `message`); the sessions of a failed batch become suspects that run alone, one step
+    each, until each either passes or fails alone; sessions not in it are untouched. A recurrent
+    (hybrid) state may have been updated in place, so it is never retried.
+    After the forward (a fault outside any session's guarded part), the fed sessions whose results
+    were not taken cannot go back: those that no step would move on end with the error."""
+    rec = core.record
+    core.record = StepRecord()
     core.refills.drop(lambda ns: True)
-    for s, token in list(involved):
+    if rec.phase is StepPhase.OUTPUTS:
+        for s, _ in rec.fed:
+            if s.phase is not Phase.FINISHED and stuck(s):
+                fail_request(core, s, message)
+        return
+    involved = rec.give_back()
+    for s in list(involved):
         if s.state is not None and not s.state.truncatable:
-            involved.remove((s, token))
-            core._finish(s, FinishReason.ERROR, error=message)
+            involved.remove(s)
+            fail_request(core, s, message)
             continue
-        if token is not None:
-            s.pending_token = token  # not fed: feed it again
         if s.state is not None:  # a partial forward may have written past the valid keys
             s.state.truncate(s.state.num_tokens, force_zero=True)
     if len(involved) == 1:
-        if core.suspects[:1] == [involved[0][0]]:
-            core.suspects.pop(0)
-        core._finish(involved[0][0], FinishReason.ERROR, error=message)
+        core.suspects = [x for x in core.suspects if x is not involved[0]]
+        fail_request(core, involved[0], message)
     elif involved:
-        rest = [s for s in core.suspects if all(s is not x for x, _ in involved)]
-        core.suspects = [s for s, _ in involved] + rest
+        rest = [s for s in core.suspects if all(s is not x for x in involved)]
+        core.suspects = involved + rest

@@ -22,18 +22,17 @@ from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
 from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed, slots_needed, tokens_needed
+from prefixserve.engine.step_record import StepPhase, StepRecord, guarded
 from prefixserve.runner import (
     ModelRunner,
     StepItem,
     make_generator,
-    scored_logprobs,
 )
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import (
     Delta,
     FinishReason,
     FlushScope,
-    InvalidRequest,
     Request,
     TokenLogprob,
 )
@@ -92,7 +91,7 @@ class EngineCore:
         self.running: list[Session] = []
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
-        self._last_step: list[tuple[Session, int | None]] = []  # (session, its fed decode token) of the last step
+        self.record = StepRecord()  # what the step under way has done (engine/step_record.py)
         self._reserved_bytes = 0  # KV bytes admitted sessions may grow to (max_session_bytes bounds it)
         self.refills = TurnRefills(runner, config.prefill_chunk_tokens, lambda ns, key, st: inserts.store_steps(self, ns, key, st))  # finished turns, re-fed
         self.counters = EngineCounters()
@@ -112,9 +111,9 @@ class EngineCore:
         if sp.constraint is not None:
             try:
                 s.matcher = self.grammars().matcher(sp.constraint)
-            except InvalidRequest as e:  # the server checked the grammar; this is a last resort
-                log.warning("constraint of %s refused: %s", request.request_id, e)
-                self._finish(s, FinishReason.ERROR)
+            except Exception as e:  # the server checked the grammar; this is a last resort
+                log.exception("constraint of %s refused", request.request_id)
+                self._finish(s, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
                 return
         self.waiting.append(s)
 
@@ -168,58 +167,49 @@ class EngineCore:
     def step(self) -> None:
         """Admit waiting requests, run one batched forward (decode rows + prefill chunks), sample.
 
-        If it raises, the caller hands the error to `control.recover` (the sessions are left as
-        they were before the forward, their fed decode tokens recorded in `_last_step`)."""
+        A transaction in effect (engine/step_record.py): a fault in one session's part ends only its
+        request, and the step goes on; when the step raises (the forward, shared work), the caller
+        hands the error to `control.recover`, which reads `self.record`, this step's record, and puts
+        every session back as it was before the step."""
+        self.record = rec = StepRecord()
         self._admit()
-        for s in self.running:
-            if s.pending_restore is not None:
+        rec.phase = StepPhase.RESTORE
+        for s in [s for s in self.running if s.pending_restore is not None]:
+            with guarded(self, s):
                 self._restore(s)
+        rec.phase = StepPhase.BATCH
         items: list[StepItem] = []
         prefill_ends: list[tuple[Session, int, int, StepItem]] = []
         decoding: list[Session] = []
         budget = self.config.max_batch_tokens
         self.suspects = [s for s in self.suspects if s.phase is not Phase.FINISHED]
-        active = self.suspects[:1] or self.running  # a suspect runs alone (engine/control.py recover)
-        self._last_step = []
+        active = self.suspects[:1] or list(self.running)  # a suspect runs alone (engine/control.py recover)
         for s in active:
             if s.phase is Phase.DECODE and s.pending_token is not None:
-                token, s.pending_token = s.pending_token, None
-                assert s.state is not None  # restored above, if the hit's copy was pending
-                items.append(StepItem(s.state, [token], decode=True))
-                decoding.append(s)
-                self._last_step.append((s, token))
-                budget -= 1
+                with guarded(self, s):
+                    assert s.state is not None, "a decoding session without its state"
+                    items.append(StepItem(s.state, [rec.take_token(s)], decode=True))
+                    decoding.append(s)
+                    budget -= 1
         for s, limit in self._prefill_plan([s for s in active if s.phase is Phase.PREFILL], budget):
-            start, end = s.next_prefill_chunk(limit)
-            assert s.state is not None  # a prefilling session was restored when it started
-            item = StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len)
-            if (num_top := s.request.sampling.prompt_logprobs) is not None:
-                item.targets, item.num_top = s.request.prompt_ids[start + 1 : end + 1], num_top
-            items.append(item)
-            prefill_ends.append((s, start, end, item))
-            self._last_step.append((s, None))
-            budget -= end - start
+            with guarded(self, s):
+                start, end = s.next_prefill_chunk(limit)
+                assert s.state is not None, "a prefilling session without its state"
+                item = StepItem(s.state, s.request.prompt_ids[start:end], want_logits=end == s.prompt_len)
+                if (num_top := s.request.sampling.prompt_logprobs) is not None:
+                    item.targets, item.num_top = s.request.prompt_ids[start + 1 : end + 1], num_top
+                items.append(item)
+                prefill_ends.append((s, start, end, item))
+                rec.fed.append((s, None))
+                budget -= end - start
+        rec.phase = StepPhase.FORWARD
         if items:
             self.runner.step(items)
             self.counters.num_steps += 1
-        if self.suspects and self._last_step:
-            self.suspects.remove(self._last_step[0][0])  # it ran alone and passed
-        for s, start, end, item in prefill_ends:
-            self.counters.num_computed_prompt_tokens += end - start
-            self.counters.num_prompt_tokens += end - start
-            inserts.after_chunk(self, s, end)  # a snapshot-only state's boundary and checkpoints
-            if item.scores is not None:
-                s.prompt_logprobs.extend(scored_logprobs(item.targets, item.scores))
-            if end == s.prompt_len:
-                s.phase = Phase.DECODE
-                s.to_insert.append(end)
-                if s.request.sampling.prompt_logprobs is not None:
-                    outputs.emit_prompt_logprobs(self, s)
-                self._sample(s)  # the first token goes out before the snapshot copies below
-                inserts.flush_inserts(self, s)
-        for s in decoding:
-            if s.phase is Phase.DECODE:
-                self._sample(s)
+        rec.phase = StepPhase.OUTPUTS
+        if self.suspects and rec.fed:
+            self.suspects = [x for x in self.suspects if x is not rec.fed[0][0]]  # it ran alone and passed
+        outputs.after_forward(self, prefill_ends, decoding)
 
     def _prefill_plan(self, prefilling: list[Session], budget: int) -> list[tuple[Session, int]]:
         """Which prompts this step feeds, each with its most tokens (docs/architecture.md, "Scheduling").
@@ -272,49 +262,51 @@ class EngineCore:
         for s in self.fair.order(self.running, self.waiting):  # fair between tenants (admission.FairShare)
             if taken >= self.config.max_num_seqs or (self.running and taken + slots_needed(s) > self.config.max_num_seqs):
                 break  # n > 1 takes n slots: any n while nothing runs
-            if admission.follows(self, s):  # waits, in its place, for a prompt under way that will serve it
-                continue
-            need = kv_bytes_needed(s.request, self.max_model_len, self.runner.kv_bytes_per_token()) - s.reserved_bytes
-            if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
-                break  # waits until running sessions finish and free their share
-            self.waiting.remove(s)
-            self.fair.started(s)
-            taken += slots_needed(s)
-            s.reserved_bytes += need
-            self._reserved_bytes += need
-            self.refills.shed(self.config.max_session_bytes - self._reserved_bytes)  # before its KV is allocated
-            if self._reuses(s.request) and self.loads.park(s):
-                continue
-            self.running.append(s)
-            self._start(s)
+            with guarded(self, s):  # a fault in its admission ends its request only
+                if admission.follows(self, s):  # waits, in its place, for a prompt under way that will serve it
+                    continue
+                need = kv_bytes_needed(s.request, self.max_model_len, self.runner.kv_bytes_per_token()) - s.reserved_bytes
+                if self.running and self._reserved_bytes + need > self.config.max_session_bytes:
+                    break  # waits until running sessions finish and free their share
+                self.waiting.remove(s)
+                self.fair.started(s)
+                s.reserved_bytes += need
+                self._reserved_bytes += need
+                self.refills.shed(self.config.max_session_bytes - self._reserved_bytes)  # before its KV is allocated
+                if not (self._reuses(s.request) and self.loads.park(s)):
+                    self.running.append(s)
+                    self._start(s)
+                taken += slots_needed(s)
         # pooled buffers (runner/state.py KVPool), pending turn refills and the admitted sessions' KV share
         # the session budget: the server's memory bound (README, "Under pressure") holds with the pool full
         self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes - self.refills.nbytes())
 
     def _start(self, s: Session) -> None:
+        """Look the prompt up (finishing the turn refills it continues first) and copy the hit, or take a
+        full hit's first token from its entry. The counters and the PREFILL / DECODE phase change only
+        once all of that worked: a session that fails here served nothing."""
         req = s.request
         reuse = self._reuses(req)
         refilled = self.refills.complete_for(req.namespace, tuple(req.prompt_ids)) if self.refills and reuse else (0, 0)
         hit = self.cache.lookup(req.namespace, req.prompt_ids) if reuse else None
         if isinstance(hit, Hit):
-            self.cache.pin(hit.entry)  # held until the copy is made (now, or next step for a full hit)
+            self.cache.pin(hit.entry)  # held until the copy is made (now, or in this step's restores for a full hit)
             s.pending_restore = hit.entry
             s.num_cached = hit.num_cached_tokens
             # tokens a pending refill computed just now, for this prompt: served from the cache, billed as computed
             s.num_refilled = max(0, min(s.num_cached, refilled[1]) - refilled[0])
+        full = s.num_cached == s.prompt_len
+        if not full:
+            self._restore(s)
+            inserts.plan(self, s, hit)  # where prefill stops for the cache: boundary, checkpoints
+        s.phase = Phase.DECODE if full else Phase.PREFILL
         self.counters.num_prompt_tokens += s.num_cached  # the rest as prefill computes it (step)
         self.counters.num_cached_tokens += s.num_cached - s.num_refilled
         self.counters.num_computed_prompt_tokens += s.num_refilled
-        if s.num_cached == s.prompt_len:
-            # full hit: the entry's stored logits give the first token now; the KV copy waits a step
-            s.phase = Phase.DECODE
+        if full:  # the entry's stored logits give the first token now; the KV copy is made with the step's restores
             self._sample(s)
-            return
-        self._restore(s)
-        inserts.plan(self, s, hit)  # where prefill stops for the cache: boundary, checkpoints
-        s.phase = Phase.PREFILL
-        # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
-        self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
+        else:  # usage known so far, so that a request aborted mid-prefill is billed with its cached tokens
+            self.emit(req.request_id, Delta(text="", token_ids=(), usage=s.usage()))
 
     def _reuses(self, req: Request) -> bool:
         """Whether `req` may be served from any cache tier. Not where the self-test refused reuse, and

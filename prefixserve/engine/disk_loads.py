@@ -10,6 +10,7 @@ is still asked for a longer entry.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from prefixserve.cache import PrefixCache
@@ -18,6 +19,8 @@ from prefixserve.cache.shared import SharedTier
 from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner.pieces import PieceStore
+
+log = logging.getLogger("prefixserve.engine")
 
 MIN_DISK_GAIN_TOKENS = 32  # a disk entry must serve this many tokens more than RAM to be loaded
 
@@ -59,7 +62,8 @@ class DiskLoads:
     def ready(self, block: bool) -> list[Session]:
         """Sessions whose load finished, in parking order, their entries now in RAM (a failed load,
         or a namespace flushed meanwhile, inserts nothing: a miss). With `block`, wait up to 50 ms
-        for one first (when the engine has nothing else to do)."""
+        for one first (when the engine has nothing else to do). An entry that cannot go into RAM is
+        a miss too (logged): its session still goes back to the queue."""
         if block and self._parked:
             wait([f for _, f in self._parked], timeout=0.05, return_when=FIRST_COMPLETED)
         done = [(s, f) for s, f in self._parked if f.done()]
@@ -68,7 +72,10 @@ class DiskLoads:
             result = fut.result()
             if isinstance(result, Loaded) and s.cacheable:
                 ns, key = s.request.namespace, result.token_ids
-                self._cache.insert(ns, key, self._pieces.adopt(result.state, key, ns))  # one copy per new piece
+                try:
+                    self._cache.insert(ns, key, self._pieces.adopt(result.state, key, ns))  # one copy per new piece
+                except Exception:
+                    log.exception("a loaded entry for %s could not go into RAM", s.request.request_id)
         return [s for s, _ in done]
 
     def sessions(self) -> list[Session]:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from prefixserve.engine import inserts
 from prefixserve.engine.choices import fork_choices
 from prefixserve.engine.session import Phase, Session
-from prefixserve.runner import adjust_logits, sample, token_logprob
+from prefixserve.engine.step_record import guarded
+from prefixserve.runner import StepItem, adjust_logits, sample, scored_logprobs, token_logprob
 from prefixserve.types import Delta, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
@@ -21,10 +22,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("prefixserve.engine")
 
 
+def after_forward(core: EngineCore, prefill_ends: list[tuple[Session, int, int, StepItem]],
+                  decoding: list[Session]) -> None:
+    """The step's forward went through: take its results session by session (a prompt's chunk with
+    its checkpoints and scored logprobs, a finished prompt's first token and cache inserts, the decode
+    rows' next tokens). Each session's part is `guarded`: a fault in it ends its request only."""
+    for s, start, end, item in prefill_ends:
+        core.counters.num_computed_prompt_tokens += end - start
+        core.counters.num_prompt_tokens += end - start
+        with guarded(core, s):
+            inserts.after_chunk(core, s, end)  # a snapshot-only state's boundary and checkpoints
+            if item.scores is not None:
+                s.prompt_logprobs.extend(scored_logprobs(item.targets, item.scores))
+            if end == s.prompt_len:
+                s.phase = Phase.DECODE
+                s.to_insert.append(end)
+                if s.request.sampling.prompt_logprobs is not None:
+                    emit_prompt_logprobs(core, s)
+                sample_next(core, s)  # the first token goes out before the snapshot copies below
+                inserts.flush_inserts(core, s)
+    for s in decoding:
+        if s.phase is Phase.DECODE:
+            with guarded(core, s):
+                sample_next(core, s)
+
+
 def sample_next(core: EngineCore, s: Session) -> None:
     """Sample the session's next token from its last logits; emit it, or finish the session (EOS,
     a stop string or token, the grammar's end, max_tokens, the context). The token is fed to the
-    model by the next step (`Session.pending_token`)."""
+    model by the next step (`Session.pending_token`). Raises when a fork, the grammar matcher or
+    the sampler fails (the caller's `guarded` ends the request); nothing has gone out then."""
     if s.request.sampling.max_tokens == 0:  # the prompt only (fed, and scored where asked)
         finish(core, s, FinishReason.LENGTH)
         return
@@ -47,7 +74,7 @@ def sample_next(core: EngineCore, s: Session) -> None:
         token = sample(adjust_logits(logits, sp, s.output_ids, allowed), sp, s.generator)
     except (RuntimeError, ValueError) as e:  # one request's sampling must never fail the batch
         log.warning("sampling failed for %s: %s", s.request.request_id, e)
-        finish(core, s, FinishReason.ERROR)
+        finish(core, s, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
         return
     if s.matcher is not None:
         s.matcher.consume(token)
@@ -107,24 +134,31 @@ def finish(
     logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None,
 ) -> None:
     """End the session with `reason`: its usage (what was computed), the cache offers of a normal
-    finish, its KV freed, the final Delta emitted."""
+    finish, its KV freed, the final Delta emitted. The Delta always goes out: a fault in the cache
+    offers turns a normal finish into ERROR with the fault (an abort stays one)."""
     if s.phase is Phase.FINISHED:
         return
     usage = s.usage()  # before the phase changes: an unfinished prompt bills what was processed
     prefilling = s.phase is Phase.PREFILL
     s.phase = Phase.FINISHED
-    s.finish_reason = reason
     s.pending_token = None
     if s in core.running:
         core.running.remove(s)
+    try:
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            inserts.flush_inserts(core, s)
+            inserts.offer_turn(core, s)
+        elif reason is FinishReason.ABORT and prefilling:
+            inserts.keep_computed(core, s)
+    except Exception as e:
+        log.exception("the cache offers of %s failed", s.request.request_id)
+        if reason is not FinishReason.ABORT:
+            reason, error = FinishReason.ERROR, f"{type(e).__name__}: {e}"
+    s.finish_reason = reason
     if reason in (FinishReason.STOP, FinishReason.LENGTH):
         core.counters.num_finished += 1
-        inserts.flush_inserts(core, s)
-        inserts.offer_turn(core, s)
     else:
         core.counters.num_aborted += 1
-        if reason is FinishReason.ABORT and prefilling:
-            inserts.keep_computed(core, s)
     if s.pending_restore is not None:
         core.cache.unpin(s.pending_restore)
         s.pending_restore = None

@@ -20,6 +20,7 @@ conversation goes on; a one-shot request's refill still waits for an idle engine
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from prefixserve.engine.session import TurnRefill
 from prefixserve.runner import ModelRunner, SessionState, StepItem
 from prefixserve.types import Namespace, lcp
 
+log = logging.getLogger("prefixserve.engine")
 MAX_PENDING_REFILLS = 8  # each holds its session's KV; past this the oldest is dropped
 EAGER_SHARE = 0.5  # of a busy engine's time, at most, for eager refills (their layers between steps)
 MAX_EAGER_CREDIT_S = 0.05  # time owed to eager refills is capped: no long burst after a long step
@@ -134,7 +136,16 @@ class TurnRefills:
         """Finish now every refill that the prompt continues (same namespace, same tokens past its
         exact part), so the prompt's lookup hits the whole turn. Runs forward steps; returns the span
         [start, end) of prompt positions they computed ((0, 0) for none): the request is billed for
-        those as computed, not cached."""
+        those as computed, not cached. A fault in them drops every pending refill, as a failed
+        background refill does (a cache optimisation): (0, 0), and the request computes those tokens."""
+        try:
+            return self._complete_for(ns, prompt_ids)
+        except Exception:
+            log.exception("a turn refill failed at admission; pending refills dropped")
+            self.drop(lambda ns: True)
+            return (0, 0)
+
+    def _complete_for(self, ns: Namespace, prompt_ids: tuple[int, ...]) -> tuple[int, int]:
         span = (0, 0)
         for r in list(self._queue):
             n = r.state.num_tokens
