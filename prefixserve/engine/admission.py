@@ -18,9 +18,12 @@ cannot hold another tenant's request back behind all of it; one tenant alone is 
 first served.
 
 Race-free: the engine thread publishes the core's room whole (`Room`, immutable) after each change,
-and takes a request from the inbox into the core under the same lock that counts the inbox; the event
-loop reads both under that lock. Between publications (a step of seconds) the room is the one before
-the step: the step's own admissions were counted as starting, its finishes free room only after it.
+and takes a request out of the inbox in the same locked swap that publishes the room with it in the
+core's queue (the work of queueing it, `EngineCore.add`, runs before, outside the lock: the first
+constrained request compiles its grammar there). The lock is held only for such swaps and the event
+loop's bookkeeping, never for work; `counts` reads the `Counts` each swap publishes, without it.
+Between publications (a step of seconds) the room is the one before the step: the step's own
+admissions were counted as starting, its finishes free room only after it.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class AdmissionQueue:
     def __init__(self, first: Room) -> None:
         self._lock = threading.Lock()
         self._room = first
+        self._counts = Counts(len(first.waiting), _queued(first, list(first.waiting)))  # replaced whole, under the lock
         self._pending: dict[str, Waiting] = {}  # the inbox, in order, by request id
         # requests whose client left while they wait in the core's queue: the engine aborts them before
         # it admits again, so they count for nothing (a client's retry is not refused for its own timeout)
@@ -199,16 +203,22 @@ class AdmissionQueue:
                                      retry_after_s=RETRY_AFTER_S)
             self._pending[request.request_id] = request
             self.peak = max(self.peak, self._room.num_running + len(waiting) + 1)
+            self._recount()
 
     def take(self, core: EngineCore, request: Request) -> None:
-        """Engine thread: move the inbox's oldest request into the core's queue and publish the core's
-        room, as one change for the readers. It leaves the inbox also when `EngineCore.add` raises."""
-        with self._lock:
-            try:
-                core.add(request)
-            finally:
-                self._pending.pop(request.request_id, None)  # gone already if its client left
-                self._publish(room(core))
+        """Engine thread: move the inbox's oldest request into the core's queue (`EngineCore.add`, not
+        under the lock), then take it out of the inbox and publish the core's room with it, as one
+        change for the readers: until then they count it in the inbox, after it in the core's queue.
+        It leaves the inbox also when `EngineCore.add` raises."""
+        rid = request.request_id
+        try:
+            core.add(request)
+        finally:
+            now = room(core)
+            with self._lock:
+                if self._pending.pop(rid, None) is None and any(w.request_id == rid for w in now.waiting):
+                    self._gone.add(rid)  # its client left while it was being queued: it counts no more
+                self._publish(now)
 
     def forget(self, request_id: str) -> None:
         """Event loop: the client of `request_id` left before it finished; if it still waits it no longer
@@ -216,6 +226,7 @@ class AdmissionQueue:
         with self._lock:
             if self._pending.pop(request_id, None) is None and any(w.request_id == request_id for w in self._room.waiting):
                 self._gone.add(request_id)
+            self._recount()
 
     def publish(self, now: Room) -> None:
         """Engine thread: the core's room after a change (a step, an abort)."""
@@ -225,12 +236,16 @@ class AdmissionQueue:
     def _publish(self, now: Room) -> None:
         self._room = now
         self._gone &= {w.request_id for w in now.waiting}
+        self._recount()
+
+    def _recount(self) -> None:
+        """Publish the counts after a change. Under the lock."""
+        waiting = self._waiting()
+        self._counts = Counts(len(waiting), _queued(self._room, waiting))
 
     def counts(self) -> Counts:
-        """What waits and what is queued now, read together."""
-        with self._lock:
-            waiting = self._waiting()
-            return Counts(len(waiting), _queued(self._room, waiting))
+        """What waits and what is queued, read together, as of the last change: never waits for the lock."""
+        return self._counts
 
     def _waiting(self) -> list[Waiting]:
         """Every request still waiting, in admission order: the core's queue, then the inbox. Under the lock."""

@@ -18,16 +18,14 @@ from prefixserve.engine import admission, control, metrics_snapshot
 from prefixserve.engine.core import EngineCore
 from prefixserve.engine.protocol import EngineHealth, FlushReport, TokenizerLike
 from prefixserve.engine.refill import EagerShare
-from prefixserve.engine.session import kv_bytes_needed
 from prefixserve.engine.streams import Streams
 from prefixserve.engine.torch_thread import TorchThread, release_free_memory
+from prefixserve.engine.validate import kv_bytes, validate
 from prefixserve.runner.identity import runtime_identity
 from prefixserve.types import (
     Delta,
     FinishReason,
     FlushScope,
-    InvalidRequest,
-    PromptTooLong,
     Request,
     Unavailable,
     Usage,
@@ -59,6 +57,7 @@ class AsyncEngine:
         self.vocab_size = vocab_size
         self._selftest_detail = selftest_detail
         self._model_source = model_source  # the weights' path (fingerprinted), "" when not known
+        self._fingerprint = self._digest()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # the inbox's requests and the core's room: what waits, what is queued (engine/admission.py)
         self._admission = admission.AdmissionQueue(admission.room(core))
@@ -88,10 +87,13 @@ class AsyncEngine:
             raise Unavailable(f"the engine has stopped: {self._dead}")
         if not self._accepting:
             raise Unavailable("the server is shutting down")
+        if request.sampling.constraint is not None and not self.core.has_grammars:
+            with contextlib.suppress(Exception):  # built beside the engine; a failure is core.add's to report
+                await asyncio.to_thread(self.core.grammars)
         rid = request.request_id
         q = self._streams.open(rid)
         try:  # counted into the inbox, or Overloaded past --max-queued-requests
-            self._admission.submit(admission.Waiting(rid, self._kv_bytes(request), request.num_choices,
+            self._admission.submit(admission.Waiting(rid, kv_bytes(self.core, request), request.num_choices,
                                                      request.namespace.tenant_id), self.core.config.max_queued_requests)
         except BaseException:
             self._streams.close(rid, q, 0, early=False)
@@ -121,43 +123,27 @@ class AsyncEngine:
         return await self._streams.abandoned_usage(request_id)
 
     def validate(self, request: Request) -> None:
-        """Raises PromptTooLong / InvalidRequest before any work is queued."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty")
-        if request.num_choices > self.core.config.max_num_seqs:  # each choice is a session, all run at once
-            raise InvalidRequest(f"{request.num_choices} choices need {request.num_choices} session slots; this "
-                                 f"server runs at most {self.core.config.max_num_seqs} at once (--max-num-seqs)", "n")
-        generating = int(request.sampling.max_tokens > 0)  # 0: the prompt alone, scored (completions' echo)
-        if n + generating > self.max_model_len:
-            raise PromptTooLong(
-                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens"
-                + (" (including at least one generated token)" if generating else "")
-            )
-        budget = self.core.config.max_session_bytes
-        if n + generating > self.max_session_tokens:  # budget-bound: the context's bound was checked above
-            raise InvalidRequest(
-                f"the prompt alone ({n} tokens) exceeds the server's session budget: {budget:,} bytes hold "
-                f"{self.max_session_tokens} tokens of KV, including at least one generated token; shorten the prompt"
-            )
-        need = self._kv_bytes(request)
-        if need > budget:
-            raise InvalidRequest(
-                f"the prompt plus max_tokens{f', for each of {request.num_choices} choices,' if request.num_choices > 1 else ''}"
-                f" needs {need:,} bytes of KV, more than the server's session budget of {budget:,} bytes: lower "
-                f"max_tokens{' or n' if request.num_choices > 1 else ''} or shorten the prompt"
-            )
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        """Raises PromptTooLong / InvalidRequest before any work is queued (engine/validate.py)."""
+        validate(self.core, self.vocab_size, request)
 
     async def flush_cache(self, scope: FlushScope) -> FlushReport:
-        """Forget what `scope` selects in every tier, on the engine thread (the caller checked who may)."""
+        """Forget what `scope` selects in every tier (the caller checked who may): RAM and disk on the
+        engine thread, between steps; then Redis's SCAN on a worker thread while the engine serves
+        on, its sessions kept from reading the scope there until it ends (engine/control.py)."""
         fut: Future[FlushReport] = Future()
-        self._submit("call", (lambda: self.core.flush(scope), fut))
-        return await asyncio.wrap_future(fut)
+        self._submit("call", (lambda: control.flush_local(self.core, scope), fut))
+        local = await asyncio.wrap_future(fut)
+        shared = self.core.shared
+        if shared is None:
+            return local
+        try:
+            redis = await asyncio.to_thread(control.flush_shared, shared, scope)
+        finally:
+            self._submit("call", (lambda: self.core.loads.flushed(scope), Future()))
+        return FlushReport((*local.tiers, redis))
 
     def health(self) -> EngineHealth:
+        """Lock-free: the counts the admission queue last published, and values fixed at start."""
         counts = self._admission.counts()
         return EngineHealth(
             ok=self._thread.is_alive() and self._dead is None,
@@ -168,14 +154,18 @@ class AsyncEngine:
             num_waiting=counts.num_waiting,
             num_queued=counts.num_queued,
             decode_kernel=self.core.runner.decoder.decode_kernel,
-            fingerprint=self.fingerprint(),
+            fingerprint=self._fingerprint,
             dtype=str(self.core.runner.decoder.dtype).removeprefix("torch."),
             tiles=str(self.core.runner.decoder.tiles),
         )
 
     def fingerprint(self) -> str:
         """`system_fingerprint`: a digest of everything that decides the bits of an output here: the
-        model, the self-test's verdict and the runtime's identity (runner/identity.py, as the tiers')."""
+        model, the self-test's verdict and the runtime's identity (runner/identity.py, as the tiers').
+        Fixed at start."""
+        return self._fingerprint
+
+    def _digest(self) -> str:
         d = self.core.runner.decoder
         parts = (self.model_id, self._model_source, d.arch.arch, str(d.arch.vocab_size), str(d.dtype), d.decode_kernel,
                  str(d.tiles), str(self.core.exact_reuse), self._selftest_detail, runtime_identity(d).digest())
@@ -229,10 +219,6 @@ class AsyncEngine:
             await asyncio.to_thread(self.core.shared.close, 30.0)
 
     # ---- engine thread ------------------------------------------------------------------------
-
-    def _kv_bytes(self, request: Request) -> int:
-        """The KV bytes admission will reserve for `request` against --max-session-bytes."""
-        return kv_bytes_needed(request, self.core.max_model_len, self.core.runner.kv_bytes_per_token())
 
     def _submit(self, kind: str, arg: Any) -> None:
         self._inbox.put((kind, arg))

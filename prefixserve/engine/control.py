@@ -1,12 +1,14 @@
 """Out-of-band control of the engine: forgetting (flush) and recovering from a failed step.
 
-Both run on the engine thread, between steps, with the same access to the core as the step itself.
+Both run on the engine thread, between steps, with the same access to the core as the step itself,
+except a flush's Redis part (`flush_shared`), which runs beside the engine on a worker thread.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefixserve.cache.shared import SharedTier
 from prefixserve.engine.protocol import FlushReport, TierFlush
 from prefixserve.engine.session import Phase
 from prefixserve.engine.step_record import StepPhase, StepRecord, fail_request, stuck
@@ -17,9 +19,22 @@ if TYPE_CHECKING:
 
 
 def flush(core: EngineCore, scope: FlushScope) -> FlushReport:
-    """Forget the namespaces `scope` selects in every tier. Sessions of those namespaces already
+    """Forget the namespaces `scope` selects in every tier, all on the calling (engine) thread."""
+    local = flush_local(core, scope)
+    if core.shared is None:
+        return local
+    try:
+        return FlushReport((*local.tiers, flush_shared(core.shared, scope)))
+    finally:
+        core.loads.flushed(scope)
+
+
+def flush_local(core: EngineCore, scope: FlushScope) -> FlushReport:
+    """Forget the namespaces `scope` selects in RAM and on disk. Sessions of those namespaces already
     running keep what they copied but insert nothing more, so nothing computed before the flush is
-    cached after it; their pending turn refills are dropped."""
+    cached after it; their pending turn refills are dropped. With a shared tier, no session reads
+    those namespaces from it until the caller's `flush_shared` is done and it calls
+    `core.loads.flushed(scope)` (a value not deleted yet must not come back into RAM)."""
     ram = core.cache.flush(scope.selects)
     core.refills.drop(scope.selects)
     for s in [*core.waiting, *core.running, *core.loads.sessions()]:
@@ -30,9 +45,15 @@ def flush(core: EngineCore, scope: FlushScope) -> FlushReport:
         disk = core.disk.flush(scope)
         tiers.append(TierFlush("disk", disk.num_entries, disk.num_bytes))
     if core.shared is not None:
-        shared = core.shared.flush(scope)
-        tiers.append(TierFlush("redis", shared.num_entries, shared.num_bytes, shared.complete))
+        core.loads.flushing(scope)
     return FlushReport(tuple(tiers))
+
+
+def flush_shared(shared: SharedTier, scope: FlushScope) -> TierFlush:
+    """The Redis part of a flush: a SCAN of the scope's keys, for any thread (SharedTier.flush is
+    thread-safe). `complete` False when Redis did not answer (the server's 503 flush_incomplete)."""
+    result = shared.flush(scope)
+    return TierFlush("redis", result.num_entries, result.num_bytes, result.complete)
 
 
 def recover(core: EngineCore, message: str) -> None:

@@ -7,6 +7,7 @@ Driven by exactly one thread (see async_engine.py). Every cache and runner call 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class EngineCore:
         self.fair = admission.FairShare()
         self.running: list[Session] = []
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()  # `grammars` may be called off the engine thread
         self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
         self.record = StepRecord()  # what the step under way has done (engine/step_record.py)
         self._reserved_bytes = 0  # KV bytes admitted sessions may grow to (max_session_bytes bounds it)
@@ -118,10 +120,16 @@ class EngineCore:
         self.waiting.append(s)
 
     def grammars(self) -> GrammarCompiler:
-        """The tokenizer's grammar compiler (built once, on the first constrained request)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.decoder.arch.vocab_size)
-        return self._grammars
+        """The tokenizer's grammar compiler, built once (~0.4 s) on first use. Thread-safe: the server
+        builds it on a worker thread before it hands the first constrained request over (AsyncEngine)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.decoder.arch.vocab_size)
+            return self._grammars
+
+    @property
+    def has_grammars(self) -> bool:
+        return self._grammars is not None
 
     def abort(self, request_id: str) -> None:
         """Finish the request (every choice) now with ABORT (usage = what was actually computed).

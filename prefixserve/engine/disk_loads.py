@@ -19,6 +19,7 @@ from prefixserve.cache.shared import SharedTier
 from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner.pieces import PieceStore
+from prefixserve.types import FlushScope
 
 log = logging.getLogger("prefixserve.engine")
 
@@ -33,6 +34,7 @@ class DiskLoads:
         self._cache = cache
         self._pieces = pieces
         self._parked: list[tuple[Session, Future[Loaded | LoadFailed]]] = []
+        self._flushing: list[FlushScope] = []  # flushes whose Redis part is under way (engine/control.py)
 
     def __bool__(self) -> bool:
         return bool(self._parked)
@@ -53,7 +55,8 @@ class DiskLoads:
                 return True
         if s.num_tiers_asked == 1:
             s.num_tiers_asked = 2
-            found = None if self.shared is None else self.shared.find(ns, ids, need)
+            flushing = any(scope.selects(ns) for scope in self._flushing)  # its values may be going
+            found = None if self.shared is None or flushing else self.shared.find(ns, ids, need)
             if found is not None:
                 self._parked.append((s, found))
                 return True
@@ -77,6 +80,16 @@ class DiskLoads:
                 except Exception:
                     log.exception("a loaded entry for %s could not go into RAM", s.request.request_id)
         return [s for s, _ in done]
+
+    def flushing(self, scope: FlushScope) -> None:
+        """A flush of `scope` is deleting its values in the shared tier: no session reads them until
+        `flushed(scope)` (those parked already were made uncacheable by the flush: their loads insert nothing)."""
+        self._flushing.append(scope)
+
+    def flushed(self, scope: FlushScope) -> None:
+        """The shared tier's part of a flush of `scope` ended (`flushing`)."""
+        if scope in self._flushing:
+            self._flushing.remove(scope)
 
     def sessions(self) -> list[Session]:
         return [s for s, _ in self._parked]

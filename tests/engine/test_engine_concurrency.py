@@ -1,0 +1,162 @@
+"""Nothing slow under the admission lock or on the engine thread, on the real engine: a slow Redis
+flush runs beside the engine while another tenant's tokens stream; the first constrained request's
+grammar compiler is built off the engine thread and `health()` never waits for it or for queueing a
+request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from prefixserve.cache import PrefixCache
+from prefixserve.cache.entry import FlushResult
+from prefixserve.config import CacheConfig, EngineConfig
+from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.engine.grammar import GrammarCompiler
+from prefixserve.types import (
+    Constraint,
+    FinishReason,
+    FlushScope,
+    Namespace,
+    Request,
+    SamplingParams,
+)
+from tests.conftest import load_embedded
+
+pytestmark = pytest.mark.slow
+FLUSH_S = 2.0
+
+
+def make_engine() -> AsyncEngine:
+    model, runner = load_embedded("int4")
+    cfg = EngineConfig(prefill_chunk_tokens=64, max_batch_tokens=256, offer_finished_turns=False)
+    core = EngineCore(runner, model.tokenizer, PrefixCache(CacheConfig(max_bytes=1 << 30)), cfg, 2048,
+                      lambda r, d: None)
+    return AsyncEngine(core, "smol", model.tokenizer, "test", model.arch.vocab_size)
+
+
+def request(tenant: str, max_tokens: int = 300, constraint: Constraint | None = None) -> Request:
+    tok = load_embedded("int4")[0].tokenizer
+    ids = tok.render_chat([{"role": "user", "content": f"Tenant {tenant}: tell me a long story."}])
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=constraint is None, constraint=constraint)
+    return Request(uuid.uuid4().hex, Namespace("smol", tenant), tuple(ids), sp)
+
+
+class SlowRedis:
+    """The shared tier as the engine sees it, whose flush takes FLUSH_S (a SCAN of a large keyspace)."""
+
+    def __init__(self, complete: bool) -> None:
+        self.complete = complete
+        self.flush_thread: str | None = None
+
+    def offer(self, ns: Namespace, token_ids: tuple[int, ...], state: Any) -> bool:
+        return True
+
+    def flush(self, scope: FlushScope) -> FlushResult:
+        self.flush_thread = threading.current_thread().name
+        time.sleep(FLUSH_S)
+        return FlushResult(3, 300, self.complete)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_a_slow_redis_flush_runs_beside_the_engine(complete: bool) -> None:
+    engine = make_engine()
+    redis = SlowRedis(complete)
+    engine.core.shared = redis  # type: ignore[assignment]
+    scope = FlushScope(tenant_id="a")
+
+    async def go() -> tuple[Any, int, list[FlushScope], list[FlushScope]]:
+        stream = engine.generate(request("b"))
+        await stream.__anext__()  # decoding
+        flush = asyncio.ensure_future(engine.flush_cache(scope))
+        await asyncio.sleep(0.3)
+        during = list(engine.core.loads._flushing)  # no session reads the scope from Redis meanwhile
+        tokens = 0
+        while not flush.done():
+            tokens += len((await stream.__anext__()).token_ids)
+        report = await flush
+        await stream.aclose()
+        for _ in range(100):  # the engine thread lets the scope be read again at its next turn
+            if not engine.core.loads._flushing:
+                break
+            await asyncio.sleep(0.01)
+        after = list(engine.core.loads._flushing)
+        await engine.shutdown()
+        return report, tokens, during, after
+
+    report, tokens, during, after = asyncio.run(go())
+    assert tokens >= 5, f"only {tokens} tokens streamed during a {FLUSH_S} s flush"
+    assert redis.flush_thread is not None and redis.flush_thread != "prefixserve-engine"
+    assert [t.tier for t in report.tiers] == ["ram", "redis"]
+    assert (report.tiers[1].num_entries, report.tiers[1].complete) == (3, complete)  # incomplete: the server's 503
+    assert during == [scope] and after == []
+
+
+def test_the_first_constrained_request_and_queueing_never_block_health(monkeypatch: Any) -> None:
+    """The grammar compiler (~0.4 s, here made 1 s) is built on a worker thread before the request is
+    handed over; a slow `EngineCore.add` runs outside the admission lock. Meanwhile `health()`, the
+    counts and another request's submission answer at once."""
+    engine = make_engine()
+    real_build = GrammarCompiler.for_tokenizer.__func__  # type: ignore[attr-defined]
+    built_on: list[str] = []
+
+    def slow_build(cls: type[GrammarCompiler], tokenizer: object, vocab_size: int) -> GrammarCompiler:
+        built_on.append(threading.current_thread().name)
+        time.sleep(1.0)
+        return real_build(cls, tokenizer, vocab_size)
+
+    monkeypatch.setattr(GrammarCompiler, "for_tokenizer", classmethod(slow_build))
+    real_add = engine.core.add
+
+    def slow_add(req: Request) -> None:
+        if req.namespace.tenant_id == "slow":
+            time.sleep(1.0)
+        real_add(req)
+
+    monkeypatch.setattr(engine.core, "add", slow_add)
+
+    async def probe(until: asyncio.Future[Any]) -> float:
+        worst = 0.0
+        while not until.done():
+            t0 = time.monotonic()
+            engine.health()
+            engine._admission.counts()
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.01)
+        return worst
+
+    async def last(req: Request) -> Any:
+        final = None
+        async for d in engine.generate(req):
+            final = d
+        return final
+
+    async def go() -> tuple[float, float, float, Any, Any]:
+        constrained = asyncio.ensure_future(last(request("a", 20, Constraint("json_object"))))
+        worst_build = await probe(constrained)
+        slow = asyncio.ensure_future(last(request("slow", 2)))
+        await asyncio.sleep(0.2)  # the engine thread is in the slow add
+        t0 = time.monotonic()
+        other = asyncio.ensure_future(last(request("c", 2)))
+        await asyncio.sleep(0)  # its submission (counted into the inbox) happens in its first step
+        submit_s = time.monotonic() - t0
+        worst_add = await probe(slow)
+        finals = await asyncio.gather(constrained, other)
+        await engine.shutdown()
+        return worst_build, worst_add, submit_s, finals, await slow
+
+    worst_build, worst_add, submit_s, finals, slow_final = asyncio.run(go())
+    assert built_on and built_on[0] != "prefixserve-engine"
+    assert worst_build < 0.2 and worst_add < 0.2 and submit_s < 0.2, (worst_build, worst_add, submit_s)
+    assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in [*finals, slow_final])
