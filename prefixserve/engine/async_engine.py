@@ -83,16 +83,19 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
         self.validate(request)
-        if self._dead is not None:
-            raise Unavailable(f"the engine has stopped: {self._dead}")
-        if not self._accepting:
-            raise Unavailable("the server is shutting down")
         if request.sampling.constraint is not None and not self.core.has_grammars:
             with contextlib.suppress(Exception):  # built beside the engine; a failure is core.add's to report
                 await asyncio.to_thread(self.core.grammars)
         rid = request.request_id
+        # the stream first, then the checks: an engine dying after this ends it (`_die` sees it), and
+        # one that died before it is seen here; never a stream that nothing will end
         q = self._streams.open(rid)
-        try:  # counted into the inbox, or Overloaded past --max-queued-requests
+        try:
+            if self._dead is not None:
+                raise Unavailable(f"the engine has stopped: {self._dead}")
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            # counted into the inbox, or Overloaded past --max-queued-requests
             self._admission.submit(admission.Waiting(rid, kv_bytes(self.core, request), request.num_choices,
                                                      request.namespace.tenant_id), self.core.config.max_queued_requests)
         except BaseException:

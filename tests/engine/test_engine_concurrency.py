@@ -1,7 +1,7 @@
 """Nothing slow under the admission lock or on the engine thread, on the real engine: a slow Redis
 flush runs beside the engine while another tenant's tokens stream; the first constrained request's
 grammar compiler is built off the engine thread and `health()` never waits for it or for queueing a
-request."""
+request; a request arriving as the engine dies ends at once instead of hanging."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from prefixserve.types import (
     Namespace,
     Request,
     SamplingParams,
+    Unavailable,
 )
 from tests.conftest import load_embedded
 
@@ -160,3 +161,38 @@ def test_the_first_constrained_request_and_queueing_never_block_health(monkeypat
     assert built_on and built_on[0] != "prefixserve-engine"
     assert worst_build < 0.2 and worst_add < 0.2 and submit_s < 0.2, (worst_build, worst_add, submit_s)
     assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in [*finals, slow_final])
+
+
+@pytest.mark.parametrize("die_first", [True, False])
+def test_a_request_arriving_as_the_engine_dies_ends_at_once(die_first: bool, monkeypatch: Any) -> None:
+    """The engine dies while a request opens its stream, before or after the stream is registered:
+    the request is refused (Unavailable) at once, never left waiting for an engine that is gone."""
+    engine = make_engine()
+    real_open = engine._streams.open
+
+    def die() -> None:
+        monkeypatch.setattr(engine.core, "has_work", lambda: (_ for _ in ()).throw(RuntimeError("loop broke")))
+        engine._wake.set()
+        deadline = time.monotonic() + 5.0
+        while engine._dead is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine._dead is not None
+
+    def open_as_the_engine_dies(rid: str) -> Any:
+        if die_first:
+            die()
+            return real_open(rid)
+        q = real_open(rid)
+        die()
+        return q
+
+    monkeypatch.setattr(engine._streams, "open", open_as_the_engine_dies)
+
+    async def first_delta() -> None:
+        gen = engine.generate(request("a", 2))
+        with pytest.raises(Unavailable, match="loop broke"):
+            await asyncio.wait_for(gen.__anext__(), 2.0)
+        await engine.shutdown()
+
+    asyncio.run(first_delta())
+    assert engine._streams.ids() == []
