@@ -5,7 +5,7 @@ STAMP := $(VENV)/.prefixserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install redis-server serve test test-cuda bench soak lint clean trace
+.PHONY: install redis-server serve test test-avx2 test-cuda bench bench-avx2 soak lint clean trace
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,12 @@ redis-server:
 
 test: install redis-server
 	$(PY) -m pytest -q tests
+
+# The suite with torch and the native kernels held to AVX2 + FMA (an AMD Zen 3's set) on a wider CPU
+# (docs/exactness.md, "Every CPU class"); a new build of the kernels, and the kernel choice timed anew.
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PREFIXSERVE_NATIVE_ISA=avx2
+test-avx2: install redis-server
+	$(AVX2_ENV) $(PY) -m pytest -q tests
 
 # The exactness, cache and hybrid tests with their models on a CUDA GPU (tests/conftest.py,
 # PREFIXSERVE_TEST_DEVICE). `make install` puts the CPU torch in .venv: run this with a Python whose
@@ -56,6 +62,7 @@ bench: install
 	bash bench/peer.sh .peer
 	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
 		--peer-bin .peer/bin/llama-server --out bench/results $(BENCH_ARGS)
+	$(PY) bench/kernels.py --out bench/results/kernels.md
 
 # The Mooncake production traces (FAST '25) that bench/trace.py replays: data, never committed
 # (bench/data/ is ignored). docs/cache.md, "Eviction", has the commands and figures.
@@ -64,6 +71,14 @@ trace:
 	mkdir -p bench/data
 	for f in conversation_trace synthetic_trace; do \
 		test -s bench/data/$$f.jsonl || curl -fsSL -o bench/data/$$f.jsonl $(TRACE_URL)/$$f.jsonl; done
+
+# The AVX2 column: ours held to AVX2 (emulated where the CPU has more) against llama-server built for
+# AVX2 + FMA only; results in bench/results/avx2-emulated/.
+bench-avx2: install
+	bash bench/peer.sh .peer-avx2 avx2
+	$(AVX2_ENV) $(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
+		--peer-bin .peer-avx2/bin/llama-server --out bench/results/avx2-emulated $(BENCH_ARGS)
+	$(AVX2_ENV) $(PY) bench/kernels.py --out bench/results/avx2-emulated/kernels.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
