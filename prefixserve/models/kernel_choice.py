@@ -15,14 +15,16 @@ times each candidate here, on the machine that runs it, and keeps the fastest:
   fixed blocks, timed on one prefill tile over `ATTENTION_KEYS` keys. ("amx" and "q4" attend inside
   their native layer call.)
 
-The verdict is remembered in `$XDG_CACHE_HOME/prefixserve/kernel-choice.json` under a key of what
-the timings depend on (native build, torch build and dispatch level, threads, model shapes), so
-every process on this machine makes the same choice (one kernel fingerprint for the cache tiers) and
-later starts skip the timing. PREFIXSERVE_DENSE_MATMUL other than auto decides without timing.
+The candidates are timed on one thread, and the verdict is remembered in
+`$XDG_CACHE_HOME/prefixserve/kernel-choice.json` under a key of what the timings depend on (native
+build, torch build and dispatch level, model shapes), with a lock around timing and writing, so every
+process on this machine makes the same choice whatever its thread settings (one kernel fingerprint
+for the cache tiers) and later starts skip the timing. PREFIXSERVE_DENSE_MATMUL other than auto decides without timing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -30,7 +32,8 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -93,19 +96,42 @@ def choose(dec: Decoder, memo_dir: str | None = None) -> KernelChoice:
     candidates = _candidates(dec)
     path = os.path.join(memo_dir or _default_memo_dir(), "kernel-choice.json")
     key = _key(dec, candidates)
-    records = _read(path)
-    if (hit := records.get(key)) is not None:
-        choice = KernelChoice(hit["matmul"], hit["attention"], dict(hit["seconds"]), remembered=True)
-    else:
-        seconds = _time_candidates(dec, candidates)
-        choice = KernelChoice(fastest(seconds, "matmul"),
-                              fastest(seconds, "attention") if any(k.startswith("attention:") for k in seconds)
-                              else "native", seconds)
-        records[key] = {"matmul": choice.matmul, "attention": choice.attention, "seconds": seconds,
-                        "at": time.time()}
-        _write(path, records)
+    with _locked(path):  # one process times, the others wait and read its verdict
+        records = _read(path)
+        if (hit := records.get(key)) is not None:
+            choice = KernelChoice(hit["matmul"], hit["attention"], dict(hit["seconds"]), remembered=True)
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # one verdict per machine, whatever a process's thread settings
+            try:
+                seconds = _time_candidates(dec, candidates)
+            finally:
+                torch.set_num_threads(threads)
+            choice = KernelChoice(fastest(seconds, "matmul"),
+                                  fastest(seconds, "attention") if any(k.startswith("attention:") for k in seconds)
+                                  else "native", seconds)
+            records[key] = {"matmul": choice.matmul, "attention": choice.attention, "seconds": seconds,
+                            "at": time.time()}
+            _write(path, records)
     apply(dec, choice.matmul, choice.attention)
     return choice
+
+
+@contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive lock on `path`.lock for the block (none where it cannot be made: then two first
+    processes may both time, and the later verdict is remembered)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def apply(dec: Decoder, matmul: str, attention: str = "native") -> None:
@@ -217,7 +243,7 @@ def _key(dec: Decoder, candidates: list[str]) -> str:
                                                                          "PREFIXSERVE_NATIVE"))}
     parts = [FORMAT, native.digest() if native.library() is not None else "no-native", torch.__version__,
              hashlib.blake2b(torch.__config__.show().encode(), digest_size=8).hexdigest(),
-             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), os.cpu_count(), env, candidates,
+             torch.backends.cpu.get_cpu_capability(), os.cpu_count(), env, candidates,
              [a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim, a.num_layers, a.vocab_size],
              str(dec.dtype), str(dec.tiles)]
     return hashlib.blake2b(json.dumps(parts, default=str).encode(), digest_size=16).hexdigest()
