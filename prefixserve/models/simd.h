@@ -10,6 +10,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* v_exp's constants, one set for the AVX-512 and AVX2 bodies (their bits must agree): x = n ln2 + r
+ * with ln2 split in two (Cody-Waite), e^r by a degree-6 polynomial */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI -0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P6 1.9875691500e-4f
+#define EXP_P5 1.3981999507e-3f
+#define EXP_P4 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P2 1.6666665459e-1f
+#define EXP_P1 5.0000001201e-1f
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 typedef __m512 vec;
@@ -30,16 +42,16 @@ static inline vec v_exp(vec x) {
     const vec lo = _mm512_set1_ps(-87.0f);
     __mmask16 dead = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_max_ps(x, lo);
-    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    vec p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    vec r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    vec p = _mm512_set1_ps(EXP_P6);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
     vec r2 = _mm512_mul_ps(r, r);
     p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     p = _mm512_scalef_ps(p, n);
@@ -94,16 +106,16 @@ static inline __m256 v_exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     __m256 dead = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P6);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
     __m256 r2 = _mm256_mul_ps(r, r);
     p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
