@@ -91,7 +91,7 @@ class HybridGGUFModel(GGUFModel):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        self._raw = {_hf(t.name): t for t in self._reader.tensors}
+        self._raw = {_hf(t.name): t for t in self.raw_tensors}
 
     def _arch_config(self) -> HybridConfig:  # type: ignore[override]
         name = self.meta.get("general.architecture")
@@ -111,7 +111,7 @@ class HybridGGUFModel(GGUFModel):
         interval = int(m("full_attention_interval", 4))
         heads, hidden = int(m("attention.head_count")), int(m("embedding_length"))
         v_heads, k_dim = int(m("ssm.time_step_rank")), int(m("ssm.state_size"))
-        embed = next((t for t in self._reader.tensors if t.name == "token_embd.weight"), None)
+        embed = next((t for t in self.raw_tensors if t.name == "token_embd.weight"), None)
         if embed is None:
             raise ModelLoadError("GGUF file has no token_embd.weight tensor")
         return HybridConfig(
@@ -124,7 +124,7 @@ class HybridGGUFModel(GGUFModel):
             max_position=int(m("context_length", 32768)), conv_kernel=int(m("ssm.conv_kernel")),
             lin_k_heads=int(m("ssm.group_count")), lin_v_heads=v_heads, lin_k_dim=k_dim,
             lin_v_dim=int(m("ssm.inner_size")) // v_heads,
-            tie_embeddings=not any(t.name == "output.weight" for t in self._reader.tensors),
+            tie_embeddings=not any(t.name == "output.weight" for t in self.raw_tensors),
         )
 
     def tensor(self, hf_name: str) -> torch.Tensor | None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import os
-from typing import Any
+import struct
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,8 +36,129 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
                  "output.weight": "lm_head.weight"}
 
 
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file as `read_gguf` found it: `shape` in ggml's order (fastest-moving
+    dimension first), `tensor_type` a GGML quantisation type number, `data` a read-only view of its
+    bytes in the mapped file, shaped as the `gguf` package's reader shapes it (elements for float and
+    integer types, [rows..., bytes per row] for block-quantised ones)."""
+
+    name: str
+    tensor_type: int
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+# GGUF value types: 0-7 and 10-12 scalars (struct format), 8 string, 9 array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SKIPPED = "tokenizer.ggml."  # prefix of the keys `read_gguf` does not decode (the vocabulary: transformers reads it)
+_UNREADABLE = object()
+# tensor types whose data the gguf package's reader gives as elements, not block bytes
+_ELEMENT_TYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """A GGUF file's metadata and tensors in one pass over its header, the tensors' data mapped, not read.
+
+    The metadata holds every key but those under `tokenizer.ggml.` (skipped unread), and the header's
+    `GGUF.version`, `GGUF.tensor_count` and `GGUF.kv_count`, each value as the `gguf` package's
+    `GGUFReader` fields' `contents()` give it (int, float, bool, str or a list of them);
+    a value that does not decode (a string that is not UTF-8) is None. The tensors come in file order
+    with plain ndarray views (no np.memmap: slicing a memmap per row block cost seconds of Python in
+    dequantisation). The `gguf` package's reader decoded the 49k-token vocabulary element by element
+    (~3 s on the 2-core machine, more under load) for metadata this loader never used.
+    Raises ValueError (or struct.error) on a file that is not a well-formed GGUF v2/v3."""
+    import gguf
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    blob = memoryview(mm)
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    pos = 24
+
+    def string() -> bytes:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", blob, pos)
+        pos += 8 + n
+        if pos > len(blob):
+            raise ValueError("GGUF header runs past the end of the file")
+        return bytes(blob[pos - n : pos])
+
+    def value(vtype: int, keep: bool) -> Any:
+        nonlocal pos
+        if vtype in _SCALARS:
+            fmt = "<" + _SCALARS[vtype]
+            (v,) = struct.unpack_from(fmt, blob, pos)
+            pos += struct.calcsize(fmt)
+            return v
+        if vtype == 8:
+            raw = string()
+            if not keep:
+                return None
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return _UNREADABLE
+        if vtype == 9:
+            etype, count = struct.unpack_from("<IQ", blob, pos)
+            pos += 12
+            if etype in _NUMPY:
+                arr = np.frombuffer(blob, dtype=_NUMPY[etype], count=count, offset=pos)
+                pos += arr.nbytes
+                return arr.tolist() if keep else None
+            items = [value(etype, keep) for _ in range(count)]
+            return _UNREADABLE if any(i is _UNREADABLE for i in items) else items
+        raise ValueError(f"GGUF value type {vtype} is not known")
+
+    meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    for _ in range(n_kv):
+        key = string().decode("utf-8")
+        (vtype,) = struct.unpack_from("<I", blob, pos)
+        pos += 4
+        keep = not key.startswith(_SKIPPED)
+        v = value(vtype, keep)
+        if keep:
+            meta[key] = None if v is _UNREADABLE else v
+    infos = []
+    for _ in range(n_tensors):
+        name = string().decode("utf-8")
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+        ttype, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, dims, ttype, offset))
+    alignment = meta.get("general.alignment", 32)
+    start = pos + (-pos % alignment)
+    tensors, seen = [], set()
+    for name, dims, ttype, offset in infos:
+        if name in seen:
+            raise ValueError(f"duplicated tensor {name!r}")
+        seen.add(name)
+        qtype = gguf.GGMLQuantizationType(ttype)
+        elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = elements * type_size // block
+        shape = tuple(reversed(dims))
+        at = start + offset
+        if at + nbytes > len(mm):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        if qtype.name in _ELEMENT_TYPES:
+            dtype = np.dtype(_ELEMENT_TYPES[qtype.name])
+            data = np.frombuffer(mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=at).reshape(shape)
+        else:
+            data = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at).reshape(
+                gguf.quants.quant_shape_to_byte_shape(shape, qtype))
+        tensors.append(GGUFTensor(name, int(ttype), tuple(int(d) for d in dims), data))
+    return meta, tensors
+
+
 class GGUFModel:
-    """Opened GGUF file: `arch` and `tensor(hf_name)` returning fp32 tensors in HF layout."""
+    """Opened GGUF file: `arch` and `tensor(hf_name)` returning fp32 tensors in HF layout; `meta` and
+    `raw_tensors` as `read_gguf` gives them."""
 
     def __init__(self, path: str) -> None:
         import gguf
@@ -43,14 +166,13 @@ class GGUFModel:
         if not os.path.isfile(path):
             raise ModelLoadError(f"model file not found: {path}")
         try:
-            self._reader = gguf.GGUFReader(path, "r")
-        except Exception as e:  # the gguf package raises assorted errors on corrupt files
+            self.meta, self.raw_tensors = read_gguf(path)
+        except Exception as e:  # a corrupt file fails in assorted ways (struct, numpy, gguf's enums)
             raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
         self.path = path
         self._gguf = gguf
-        self.meta = {k: _field_value(f) for k, f in self._reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-        self._tensors = {}
-        for t in self._reader.tensors:
+        self._tensors: dict[str, GGUFTensor] = {}
+        for t in self.raw_tensors:
             self._tensors[_hf_name(t.name)] = t
         self.arch = self._arch_config()
 
@@ -136,9 +258,3 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     rows = w.shape[0]
     return w.view(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-
-def _field_value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except Exception:  # noqa: BLE001 - a metadata field gguf cannot decode is left out, not fatal
-        return None

@@ -135,7 +135,8 @@ def load_model(
         return _widened(_load_gguf_cached(path, name, dtype, device, tiles or TilePlan(), decode_kernel, cache_dir))
     gm = GGUFModel(path)
     decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel)
-    return _widened(LoadedModel(decoder, load_tokenizer_gguf(path), gm.arch, name, path))
+    return _widened(LoadedModel(decoder, load_tokenizer_gguf(path, gm.meta.get("general.architecture")), gm.arch,
+                                name, path))
 
 
 def _widened(m: LoadedModel) -> LoadedModel:
@@ -178,7 +179,8 @@ def _load_gguf_cached(
 
     def prepare() -> tuple[Decoder, Tokenizer]:
         gm = GGUFModel(path)
-        return gguf_decoder(gm, dtype, device, tiles, decode_kernel), load_tokenizer_gguf(path)
+        return (gguf_decoder(gm, dtype, device, tiles, decode_kernel),
+                load_tokenizer_gguf(path, gm.meta.get("general.architecture")))
 
     t0 = time.perf_counter()
     decoder, tokenizer, hit = prepared.cached_or_prepare(cache_dir, parts, tiles, prepare)

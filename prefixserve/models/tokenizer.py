@@ -250,14 +250,45 @@ def _think_end_id(hf: Any) -> int | None:
     return int(vocab["</think>"])
 
 
-def load_tokenizer_gguf(path: str) -> Tokenizer:
-    from transformers import AutoTokenizer
+def load_tokenizer_gguf(path: str, architecture: str | None = None) -> Tokenizer:
+    """The tokenizer of a GGUF file, as `AutoTokenizer.from_pretrained(folder, gguf_file=...)` builds it.
 
+    `architecture`: the file's general.architecture where the caller has read it (else read here).
+    Where AutoTokenizer would pick the generic `TokenizersBackend` (`_gguf_tokenizer_class`), that
+    class is called directly with the same arguments: the same tokenizer (tests/runner/
+    test_tokenizer_gguf.py), without AutoTokenizer's config step, which parsed the whole file again
+    with the `gguf` package's reader (the 49k-token vocabulary field by field: ~7 s of a first start
+    on the 2-core machine). Raises ModelLoadError where the tokenizer cannot be built."""
+    import transformers
+
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
     try:
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        if architecture is None:
+            from prefixserve.models.gguf_hybrid import gguf_architecture
+
+            architecture = gguf_architecture(path)
+        cls = _gguf_tokenizer_class(folder, architecture) or transformers.AutoTokenizer
+        tok = cls.from_pretrained(folder, gguf_file=name)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {type(e).__name__}: {e}") from e
     return Tokenizer(tok)
+
+
+# GGUF architectures whose transformers model type maps to no tokenizer class of its own (llama) or to
+# TokenizersBackend (mistral): AutoTokenizer builds such a file's tokenizer with TokenizersBackend
+# (tests/runner/test_tokenizer_gguf.py checks the mapping against the installed transformers)
+GENERIC_TOKENIZER_ARCHS = ("llama", "mistral")
+
+
+def _gguf_tokenizer_class(folder: str, architecture: str | None) -> Any:
+    """`TokenizersBackend` where AutoTokenizer resolves a GGUF file in `folder` to it without reading
+    anything but the file: an architecture in GENERIC_TOKENIZER_ARCHS and no tokenizer_config.json
+    beside the file (which could name another class). None otherwise: the caller asks AutoTokenizer."""
+    if architecture not in GENERIC_TOKENIZER_ARCHS or os.path.exists(os.path.join(folder, "tokenizer_config.json")):
+        return None
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend
 
 
 def _tokenizer_class(folder: str) -> Any:
