@@ -4,7 +4,7 @@ attention of any rows), qmatmul.c (4- and 8-bit GGUF matmuls for decode rows and
 prompt rows, on a team of threads), sharing simd.h.
 
 The first process that needs them compiles the C sources (`cc -O3 -march=native -ffp-contract=off`,
-a few seconds) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
+a few seconds; `native_build.py`, started early by `native_build.prebuild()`) into `$XDG_CACHE_HOME/prefixserve/native/` (PREFIXSERVE_NATIVE_DIR overrides),
 named by a digest of the source, the flags, the compiler's version and the CPU's flags; later starts
 load the built file. Where no compiler is found or the build fails, `library()` is None and the
 callers use their torch formulation (same contract, slower; logged once). PREFIXSERVE_NATIVE=0
@@ -28,13 +28,13 @@ import hashlib
 import itertools
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a kernel is called: the build starts before torch is imported
+    import torch
 
 log = logging.getLogger("prefixserve.models")
 
@@ -130,29 +130,11 @@ def digest() -> str:
     return _digest
 
 
-def _build(cc: str) -> str:
-    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    name = hashlib.blake2b((digest() + version).encode(), digest_size=12).hexdigest()
-    out_dir = build_dir()
-    path = os.path.join(out_dir, f"kernels-{name}.so")
-    if os.path.isfile(path):
-        return path
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, *_march(), "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=300)
-        os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built if needed; None where they cannot be (logged once)."""
     global _lib, _tried
+    from prefixserve.models import native_build
+
     with _lock:
         if _tried:
             return _lib
@@ -165,12 +147,12 @@ def library() -> ctypes.CDLL | None:
         except ValueError as e:
             log.warning("native kernels: %s; attention uses its torch formulation", e)
             return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        cc = native_build.compiler()
         if cc is None:
             log.warning("native kernels: no C compiler (cc, gcc or $CC); attention uses its torch formulation")
             return None
         try:
-            lib = ctypes.CDLL(_build(cc))
+            lib = ctypes.CDLL(native_build.built_path(cc))
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", None) or e
             log.warning("native kernels: build failed (%s); attention uses its torch formulation", str(detail)[-800:])
@@ -211,6 +193,8 @@ def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor,
     """out[:, :N] = x @ W.T for a weight in qmatmul.c's layout (packed: uint8 [N / 4, K / 32, bytes],
     kind 0 Q4, 1 Q8); x: [n, K] fp32 with contiguous rows, out: [n, >= N] fp32. The outputs are split
     between `ways` threads (decode.c's team), which cannot change a bit. Returns the threads used."""
+    import torch
+
     lib = library()
     assert lib is not None
     n, k = x.shape
@@ -235,6 +219,8 @@ def amx_ready() -> bool:
 
 def amx_pack(w: torch.Tensor) -> torch.Tensor:
     """A bf16 weight [N, K] (N a multiple of 16, K of 32) in amx.c's tile layout."""
+    import torch
+
     n, k = w.shape
     if w.dtype != torch.bfloat16 or n % 16 or k % 32:
         raise ValueError(f"amx_pack: a bf16 [16 n, 32 k] weight expected, not {w.dtype} {tuple(w.shape)}")
@@ -245,6 +231,8 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     """bf16(x @ W.T + bias) for W packed by `amx_pack`: x [M, K] bf16 with contiguous rows; bias fp32
     [N] or None. Each output's bits depend on its own row and weights only (amx.c); the outputs
     are split between `ways` threads (decode.c's team)."""
+    import torch
+
     lib = library()
     assert lib is not None
     m, k = x.shape
@@ -267,6 +255,8 @@ def kernel_name(native: bool) -> str:
 
 
 def attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    import torch
+
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
             and library() is not None)
 
@@ -283,6 +273,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
 
     ways > 1: the rows are cut into that many parts of about equal work (a row's work grows with
     its position) and `parallel` runs them at once (models/threads.py); the same bits."""
+    import torch
+
     lib = library()
     assert lib is not None
     n, heads, hd = q.shape

@@ -1,0 +1,104 @@
+"""Building the native kernels (models/native.py): the compiler run, importable without torch.
+
+`prebuild()` starts the build on a daemon thread as soon as a process knows it will want the
+kernels (`prefixserve serve` does before importing torch), so the compiler runs on another core while
+the process imports torch and parses the model; `native.library()` then waits for that build
+(`built_path`) instead of starting its own. The result is the same file either way: its name is a
+digest of the source, the flags, the compiler's version and the CPU's flags (`native.digest()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from prefixserve.models import native
+
+NICE_INCREMENT = 10  # the compilers' priority below this process's
+_build_lock = threading.Lock()  # held while the kernels compile: `built_path` waits for `prebuild`'s build
+_built: str | BaseException | None = None  # the built file's path, or why the build failed
+
+
+def _build(cc: str) -> str:
+    """The built kernels' path: compiled now unless a file of this name is there. Each source is
+    compiled on its own (`-c`, all at once, at a lower priority: one translation unit each, as one
+    `cc` call with all of them compiles them), then linked."""
+    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    name = hashlib.blake2b((native.digest() + version).encode(), digest_size=12).hexdigest()
+    out_dir = native.build_dir()
+    path = os.path.join(out_dir, f"kernels-{name}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".build-", dir=out_dir)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        flags = [*native._FLAGS, *native._march()]
+        objs = [os.path.join(work, os.path.basename(src) + ".o") for src in native._SOURCES]
+        for src, obj in zip(native._SOURCES, objs, strict=True):
+            procs.append(subprocess.Popen([cc, *flags, "-c", "-o", obj, src], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, preexec_fn=_lower_priority))
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        tmp = os.path.join(work, "kernels.so")
+        subprocess.run([cc, *flags, "-o", tmp, *objs, "-lm"], check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
+    finally:
+        for proc in procs:  # a failed or timed-out build leaves no compiler running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+def _lower_priority() -> None:
+    """In the compiler's process: yield the CPU to the start-up's own Python, which the whole
+    start-up waits on, and use the cycles it leaves (NICE_INCREMENT)."""
+    with contextlib.suppress(OSError):
+        os.nice(NICE_INCREMENT)
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH; None where there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def built_path(cc: str) -> str:
+    """`_build(cc)` once per process; a later call (or one waiting while `prebuild`'s thread builds)
+    gets the same path, or the same exception again."""
+    global _built
+    with _build_lock:
+        if _built is None:
+            try:
+                _built = _build(cc)
+            except (OSError, subprocess.SubprocessError) as e:
+                _built = e
+    if isinstance(_built, BaseException):
+        raise _built
+    return _built
+
+
+def prebuild() -> None:
+    """Start building (or finding) the kernels on a daemon thread, so the compiler runs on another core
+    while this process imports torch and loads the model; `library()` waits for it. Nothing where
+    `library()` would not build (PREFIXSERVE_NATIVE=0, an ISA level this CPU cannot run, no compiler)."""
+    cc = compiler()
+    try:
+        native.isa()
+    except ValueError:
+        return
+    if os.environ.get("PREFIXSERVE_NATIVE", "1") != "0" and cc is not None:
+        threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build", daemon=True).start()
+
+
+def _quietly_built(cc: str) -> None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # `library()` logs a failure when it asks
+        built_path(cc)

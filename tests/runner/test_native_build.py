@@ -1,0 +1,40 @@
+"""The kernels' build: importable without torch, started early, waited for, the same file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixserve.models import native
+
+
+def test_prebuild_then_library_in_a_fresh_process(tmp_path: Path) -> None:
+    """A process that starts the build before importing torch gets the kernels from that build (one
+    file, named as `library()` alone names it), and had not imported torch to start it."""
+    code = ("import sys; from prefixserve.models import native_build; native_build.prebuild(); "
+            "assert 'torch' not in sys.modules; from prefixserve.models import native; "
+            "lib = native.library(); print(lib is not None, native.build_name())")
+    env = {**os.environ, "PREFIXSERVE_NATIVE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ok, name = out.stdout.split()
+    if native.library() is None:
+        pytest.skip("no native kernels on this machine")
+    assert ok == "True" and name == native.build_name()
+    assert sorted(os.listdir(tmp_path)) == [name]  # the objects and the temporary directory are gone
+
+
+def test_a_failed_build_is_reported_once_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixserve.models import native_build
+
+    monkeypatch.setenv("PREFIXSERVE_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_built", None)
+    with pytest.raises(subprocess.CalledProcessError):
+        native_build.built_path("false")  # a "compiler" that always fails
+    with pytest.raises(subprocess.CalledProcessError):
+        native_build.built_path("false")
+    assert os.listdir(tmp_path) == []
