@@ -41,8 +41,8 @@ def _build(cc: str) -> str:
         flags = [*native._FLAGS, *native._march()]
         objs = [os.path.join(work, os.path.basename(src) + ".o") for src in native._SOURCES]
         for src, obj in zip(native._SOURCES, objs, strict=True):
-            procs.append(subprocess.Popen([cc, *flags, "-c", "-o", obj, src], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, preexec_fn=_lower_priority))
+            procs.append(subprocess.Popen([*_lower_priority(), cc, *flags, "-c", "-o", obj, src], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
         for proc in procs:
             _, err = proc.communicate(timeout=300)
             if proc.returncode:
@@ -59,11 +59,12 @@ def _build(cc: str) -> str:
     return path
 
 
-def _lower_priority() -> None:
-    """In the compiler's process: yield the CPU to the start-up's own Python, which the whole
-    start-up waits on, and use the cycles it leaves (NICE_INCREMENT)."""
-    with contextlib.suppress(OSError):
-        os.nice(NICE_INCREMENT)
+def _lower_priority() -> list[str]:
+    """The command prefix that runs a compiler at NICE_INCREMENT below this process (`nice`, where
+    there is one), so it yields the CPU to the start-up's own Python, which the whole start-up waits
+    on, and uses the cycles that leaves."""
+    nice = shutil.which("nice")
+    return [nice, "-n", str(NICE_INCREMENT)] if nice else []
 
 
 def compiler() -> str | None:
