@@ -182,7 +182,7 @@ class GGUFModel:
             return None
         qtype = self._gguf.GGMLQuantizationType(t.tensor_type)
         try:
-            data = self._gguf.quants.dequantize(t.data, qtype)
+            data = dequantize(t.data, qtype)
         except NotImplementedError as e:
             raise ModelLoadError(
                 f"tensor {t.name!r} uses quantisation type {qtype.name}, which cannot be dequantised "
@@ -241,6 +241,25 @@ class GGUFModel:
             qkv_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
             qk_norm="model.layers.0.self_attn.q_norm.weight" in self._tensors,
         )
+
+
+DEQUANT_ROWS = 1024  # rows dequantised per numpy call (the gguf package takes 16: ~12k calls per model)
+
+
+def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
+    """fp32 values of a GGUF tensor's data: the `gguf` package's `quants.dequantize`, bit for bit (its
+    block formulas are elementwise, so how many rows one call takes cannot change a value;
+    tests/runner/test_tokenizer_gguf.py compares every tensor of the embedded model), with its own
+    block code run over DEQUANT_ROWS rows a call. Raises NotImplementedError for a type it lacks."""
+    import gguf
+
+    traits = getattr(gguf.quants, "_type_traits", {}).get(qtype)
+    if traits is None or data.ndim < 1 or data.shape[-1] == 0:
+        return np.asarray(gguf.quants.dequantize(data, qtype))
+    traits.init_grid()
+    rows = data.reshape(-1, data.shape[-1])
+    parts = [traits.dequantize_rows(rows[i : i + DEQUANT_ROWS]) for i in range(0, len(rows), DEQUANT_ROWS)]
+    return np.concatenate(parts).reshape(gguf.quants.quant_shape_from_byte_shape(data.shape, qtype))
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -1,5 +1,5 @@
 """A GGUF's tokenizer built without AutoTokenizer's second parse of the file is AutoTokenizer's own,
-and the loader's header reader gives what the `gguf` package's reader gives."""
+the loader's header reader gives what the `gguf` package's reader gives, and its dequantisation the same bits."""
 
 from __future__ import annotations
 
@@ -79,3 +79,23 @@ def test_header_reader_matches_the_gguf_package() -> None:
                                                              tuple(int(d) for d in theirs.shape))
         assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
         assert np.array_equal(ours.data, theirs.data), ours.name
+
+
+def test_dequantisation_matches_the_gguf_package_bit_for_bit() -> None:
+    gguf = pytest.importorskip("gguf")
+    from prefixserve.models.gguf_loader import dequantize
+
+    _, tensors = read_gguf(embedded_model_path())
+    kinds = set()
+    for t in tensors:
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        ours, theirs = dequantize(t.data, qtype), gguf.quants.dequantize(t.data, qtype)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, t.name
+        assert np.array_equal(ours.view(np.uint32), np.asarray(theirs).view(np.uint32)), t.name
+        kinds.add(qtype.name)
+    assert {"Q4_1", "F32"} <= kinds
+    rng = np.random.default_rng(0)
+    for name in ("Q4_0", "Q8_0", "Q4_1"):  # the other tested block types, from random data of 40 rows
+        qtype = gguf.GGMLQuantizationType[name]
+        raw = gguf.quants.quantize(rng.standard_normal((40, 64)).astype(np.float32), qtype)
+        assert np.array_equal(dequantize(raw, qtype).view(np.uint32), gguf.quants.dequantize(raw, qtype).view(np.uint32))
