@@ -2,6 +2,17 @@
 
 No label carries anything a tenant sent or holds: endpoints are a fixed set of route names, status is a
 class ("2xx"), and cache figures are the engine's aggregates, read at scrape time.
+
+Gateway signals: besides the prefixserve_* names, the scheduling gauges that cache- and load-aware
+gateways read from vLLM- and SGLang-compatible servers are exported under those servers' names, with
+the same meaning (Gateway API Inference Extension's model-server protocol; docs/cache.md, "Behind a
+gateway"): `vllm:num_requests_waiting` / `sglang:num_queue_reqs` (requests not started yet),
+`vllm:num_requests_running` / `sglang:num_running_reqs` (sessions running), and
+`vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc` and `sglang:token_usage` (the fraction of
+--max-session-bytes reserved by running sessions, in [0, 1]: the KV that admission gives out, as
+vLLM's counts the KV blocks its running requests hold; the prefix cache's own fill is
+prefixserve_cache_usage_ratio). Each carries one label, `model_name`, the served model name.
+There is no LoRA, so no `vllm:lora_requests_info`.
 """
 
 from __future__ import annotations
@@ -186,11 +197,48 @@ class _EngineCollector(Collector):
             "Waiting requests the next step cannot start (no free session slot or session bytes); "
             "--max-queued-requests bounds them", value=health.num_queued,
         )
+        yield from _gateway_gauges(self._engine.model_id, health.num_waiting, health.num_running, values)
         yield GaugeMetricFamily(
             "prefixserve_exact_reuse",
             "1 if the start-up self-test allows cross-request reuse",
             value=float(health.exact_reuse),
         )
+
+
+# (vLLM name, SGLang name or None, help): the gauges gateways schedule by (module docstring)
+_GATEWAY_WAITING = (("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+                    "Requests not started yet (the engine's queue and inbox)")
+_GATEWAY_RUNNING = (("vllm:num_requests_running", "sglang:num_running_reqs"), "Sessions running in the engine")
+_GATEWAY_KV = (("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
+               "Fraction of --max-session-bytes reserved by running sessions (1 = full; admission waits past it)")
+
+
+def session_usage(values: dict[str, float]) -> float | None:
+    """reserved_session_bytes / max_session_bytes clamped to [0, 1]; None where the engine reports neither."""
+    reserved, budget = values.get("reserved_session_bytes"), values.get("max_session_bytes")
+    if reserved is None or budget is None:
+        return None
+    return min(1.0, max(0.0, float(reserved) / float(budget))) if budget > 0 else 0.0
+
+
+def _gateway_gauges(model_name: str, num_waiting: int, num_running: int,
+                    values: dict[str, float]) -> Iterator[Metric]:
+    """The vLLM / SGLang names of the scheduling gauges, labelled model_name (module docstring)."""
+    figures: list[tuple[tuple[tuple[str, ...], str], float | None]] = [
+        (_GATEWAY_WAITING, float(num_waiting)), (_GATEWAY_RUNNING, float(num_running)),
+        (_GATEWAY_KV, session_usage(values))]
+    for (names, doc), value in figures:
+        if value is None:
+            continue
+        for name in names:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model_name], value)
+            yield family
+    cache_max = values.get("cache_max_bytes")
+    if cache_max is not None and "cache_bytes" in values:
+        yield GaugeMetricFamily(
+            "prefixserve_cache_usage_ratio", "Prefix cache bytes / --cache-max-bytes (0 when caching is off)",
+            value=min(1.0, float(values["cache_bytes"]) / float(cache_max)) if cache_max > 0 else 0.0)
 
 
 def _ratio(values: dict[str, float]) -> float | None:
