@@ -49,6 +49,7 @@ def prepare_chat(
     thinking model's reasoning out of its replies (server/reasoning.py; `--reasoning-parser`)."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
+    params.check_prompt_cache_key(body.prompt_cache_key)  # a routing hint only: not in the namespace
     params.check_unsupported(body)
     params.check_metadata(body.metadata)
     params.check_text_only(body.modalities, body.audio)

@@ -39,6 +39,7 @@ def prepare_completion(
     encoded text prompts, per namespace (server/prompt_memo.py)."""
     model = params.check_model(body.model, engine.model_id)
     salt = params.check_salt(body.cache_salt)
+    params.check_prompt_cache_key(body.prompt_cache_key)  # a routing hint only: not in the namespace
     params.check_unsupported(body)
     n = params.check_n(body.n)
     best_of = n if body.best_of is None else body.best_of

@@ -16,6 +16,7 @@ from prefixserve.server.schemas import SamplingFields
 from prefixserve.types import MAX_CHOICES, Constraint, InvalidRequest, Namespace, SamplingParams
 
 MAX_SALT_CHARS = 256
+MAX_PROMPT_CACHE_KEY_CHARS = 1024  # a bound on what a Responses object echoes and stores
 MAX_STOP_SEQUENCES = 16
 MAX_TEMPERATURE = 2.0
 MAX_LOGIT_BIAS = 100.0
@@ -46,6 +47,22 @@ def check_salt(value: Any) -> str:
         raise bad_request(f"cache_salt must be at most {MAX_SALT_CHARS} characters", "cache_salt")
     check_text(value, "cache_salt")
     return value
+
+
+def check_prompt_cache_key(value: Any) -> str | None:
+    """OpenAI's `prompt_cache_key`: a string (at most MAX_PROMPT_CACHE_KEY_CHARS) or absent, returned as
+    given. It is a placement hint for whatever routes requests (a gateway can hash on it to send one
+    key's requests to one replica) and is never part of the cache namespace: requests of one tenant
+    and `cache_salt` share cached prefixes whatever their keys, and one key never reaches another
+    tenant's or salt's entries (`namespace` does not take it)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise bad_request("prompt_cache_key must be a string", "prompt_cache_key")
+    if len(value) > MAX_PROMPT_CACHE_KEY_CHARS:
+        raise bad_request(f"prompt_cache_key must be at most {MAX_PROMPT_CACHE_KEY_CHARS} characters",
+                          "prompt_cache_key")
+    return check_text(value, "prompt_cache_key")
 
 
 def namespace(model_id: str, tenant_id: str, salt: str) -> Namespace:

@@ -85,7 +85,7 @@ def prepare_response(
     conversation = [*history, *chat_messages(given)]  # what a later request's previous_response_id continues
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {"messages": [*system, *conversation], "stream": body.stream}
-    for name in ("model", "temperature", "top_p", "user", "parallel_tool_calls", "seed"):
+    for name in ("model", "temperature", "top_p", "user", "parallel_tool_calls", "seed", "prompt_cache_key"):
         if (value := getattr(body, name)) is not None:
             chat[name] = value
     if salt is not None:
@@ -116,7 +116,8 @@ def prepare_response(
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "user": body.user,
             "store": keeping, "truncation": "disabled", "reasoning": None,
-            "previous_response_id": body.previous_response_id, "cache_salt": salt}
+            "previous_response_id": body.previous_response_id, "cache_salt": salt,
+            "prompt_cache_key": body.prompt_cache_key}
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = None
     if keeping:

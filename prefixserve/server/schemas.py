@@ -47,6 +47,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: Any = None  # non-empty str of at most 256 characters
+    prompt_cache_key: Any = None  # str: a placement hint for a gateway, never part of the cache namespace
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -139,6 +140,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     cache_salt: Any = None
+    prompt_cache_key: Any = None  # as on chat; echoed in the response object
     store: bool | None = None  # false: the response is not kept for previous_response_id
     previous_response_id: str | None = None
     truncation: str | None = None
