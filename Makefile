@@ -5,7 +5,7 @@ STAMP := $(VENV)/.prefixserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install redis-server serve test test-avx2 test-cuda bench bench-avx2 soak lint clean trace
+.PHONY: install redis-server serve test test-avx2 test-cuda bench bench-avx2 soak lint clean trace cluster
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,6 +51,13 @@ test-cuda:
 soak: install
 	SOAK=1 $(PY) -m pytest -q tests/runner/test_exactness.py -k resume
 	SOAK=1 $(PY) -m pytest -q -s tests/reliability
+
+# N replicas sharing one redis-server, behind SMG (SGLang's model gateway, installed into the venv when
+# missing) on $(PORT); Ctrl-C stops all (bench/cluster.sh; POLICY=cache_aware etc.).
+N ?= 3
+cluster: install redis-server
+	test -x $(VENV)/bin/smg || $(PY) -m pip install -q smg
+	PORT=$(PORT) bash bench/cluster.sh $(N)
 
 lint: install
 	$(VENV)/bin/ruff check prefixserve tests
