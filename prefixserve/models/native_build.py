@@ -1,6 +1,6 @@
 """Building the native kernels (models/native.py): the compiler run, importable without torch.
 
-`prebuild()` starts the build on a daemon thread as soon as a process knows it will want the
+`prebuild()` starts the build on a thread as soon as a process knows it will want the
 kernels (`prefixserve serve` does before importing torch), so the compiler runs on another core while
 the process imports torch and parses the model; `native.library()` then waits for that build
 (`built_path`) instead of starting its own. The result is the same file either way: its name is a
@@ -88,16 +88,18 @@ def built_path(cc: str) -> str:
 
 
 def prebuild() -> None:
-    """Start building (or finding) the kernels on a daemon thread, so the compiler runs on another core
+    """Start building (or finding) the kernels on a thread, so the compiler runs on another core
     while this process imports torch and loads the model; `library()` waits for it. Nothing where
-    `library()` would not build (PREFIXSERVE_NATIVE=0, an ISA level this CPU cannot run, no compiler)."""
+    `library()` would not build (PREFIXSERVE_NATIVE=0, an ISA level this CPU cannot run, no compiler).
+    Not a daemon: a process that exits meanwhile (SIGTERM while importing) waits for the build to end;
+    as a daemon thread its exit hung."""
     cc = compiler()
     try:
         native.isa()
     except ValueError:
         return
     if os.environ.get("PREFIXSERVE_NATIVE", "1") != "0" and cc is not None:
-        threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build", daemon=True).start()
+        threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build").start()
 
 
 def _quietly_built(cc: str) -> None:

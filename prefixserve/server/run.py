@@ -142,10 +142,6 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
 
     try:
-        if model_config.device != "cuda":  # the compiler on the other core while torch is imported
-            from prefixserve.models import native_build
-
-            native_build.prebuild()
         progress.phase("importing", "importing the runtime (torch, transformers)")
         from prefixserve.engine import build_engine
         from prefixserve.models import ModelLoadError
