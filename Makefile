@@ -69,9 +69,9 @@ bench: install
 	bash bench/peer.sh .peer
 	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
 		--peer-bin .peer/bin/llama-server --out bench/results $(BENCH_ARGS)
-	$(PY) bench/kernels.py --out bench/results/kernels.md
+	$(PY) bench/kernel_configs.py --out bench/results/kernels.md
 
-# The Mooncake production traces (FAST '25) that bench/trace.py replays: data, never committed
+# The Mooncake production traces (FAST '25) that bench/trace_replay.py replays: data, never committed
 # (bench/data/ is ignored). docs/cache.md, "Eviction", has the commands and figures.
 TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces
 trace:
@@ -85,7 +85,7 @@ bench-avx2: install
 	bash bench/peer.sh .peer-avx2 avx2
 	$(AVX2_ENV) $(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
 		--peer-bin .peer-avx2/bin/llama-server --out bench/results/avx2-emulated $(BENCH_ARGS)
-	$(AVX2_ENV) $(PY) bench/kernels.py --out bench/results/avx2-emulated/kernels.md
+	$(AVX2_ENV) $(PY) bench/kernel_configs.py --out bench/results/avx2-emulated/kernels.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.helpers.lm_eval_task: the task the test runs
-sys.path.append(str(ROOT / "bench"))  # servers.py (appended: bench/ has a trace.py)
+sys.path.append(str(ROOT / "bench"))  # servers.py (appended, so bench/ shadows nothing)
 
 from servers import ServerProcess, free_port
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+# bench/ on the path for these two imports only: its scripts' names (kernel_configs, client, servers,
+# ...) must not shadow other packages for the rest of the suite
+BENCH = str(Path(__file__).resolve().parents[2] / "bench")
+sys.path.insert(0, BENCH)
 
 from trace_model import (
     Scale,
@@ -29,6 +32,8 @@ from trace_sim import (
     simulate_server,
     working_set_tokens,
 )
+
+sys.path.remove(BENCH)
 
 from prefixserve.config import CacheConfig
 from prefixserve.server.auth import parse_key_spec, read_keys_file

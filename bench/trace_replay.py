@@ -7,12 +7,12 @@ Offline (no server; seconds): the trace's working set, the hit rate of an infini
 optimum and a block LRU at budgets of 10/25/50% of the working set (or `--cache-max-bytes`), and the
 server's own `PrefixCache` under each eviction policy at the same byte budget (bench/trace_sim.py):
 
-    .venv/bin/python bench/trace.py bench/data/conversation_trace.jsonl --offline --block-tokens 16
+    .venv/bin/python bench/trace_replay.py bench/data/conversation_trace.jsonl --offline --block-tokens 16
 
 Replay (each request's prompt as token ids following the trace's block structure, bench/
 trace_model.py; sent at its arrival time / `--speedup`, streamed, one API key per tenant):
 
-    .venv/bin/python bench/trace.py TRACE --base-url http://127.0.0.1:8471/v1 --limit 300 \
+    .venv/bin/python bench/trace_replay.py TRACE --base-url http://127.0.0.1:8471/v1 --limit 300 \
         --tenants 4 --write-keys keys.txt --cache-max-bytes 1.9G
     # keys.txt is the server's --api-keys-file (written by --write-keys, then exits)
 

@@ -1,6 +1,6 @@
 """The default kernel configuration against every other exact one the server offers, on this machine.
 
-    .venv/bin/python bench/kernels.py [--rounds 2] [--prompt-tokens 2000] [--out bench/results/kernels.md]
+    .venv/bin/python bench/kernel_configs.py [--rounds 2] [--prompt-tokens 2000] [--out bench/results/kernels.md]
 
 Each configuration is `prefixserve generate` (greedy, 64 tokens) on the same ~2,000-token prompt in a
 fresh process with one environment setting: the default (prefill kernels chosen by timing,
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("# The default kernels against every other exact configuration\n\n"
-                                  f"`bench/kernels.py --rounds {args.rounds}`\n\n{table}\n")
+                                  f"`bench/kernel_configs.py --rounds {args.rounds}`\n\n{table}\n")
     return 0
 
 
