@@ -25,6 +25,7 @@ from prefixserve.types import (
     Usage,
 )
 from tests.conftest import load_embedded
+from tests.helpers.engine_run import collect_to_last as collect
 
 pytestmark = pytest.mark.slow
 NS = Namespace("smol", "t")
@@ -44,14 +45,6 @@ def request(ids: list[int], max_tokens: int = 8, rid: str | None = None, ignore_
     return Request(rid or uuid.uuid4().hex, NS, tuple(ids), sp)
 
 
-async def collect(engine: AsyncEngine, req: Request) -> tuple[list[int], Delta]:
-    out: list[int] = []
-    last = None
-    async for d in engine.generate(req):
-        out += d.token_ids
-        last = d
-    assert last is not None
-    return out, last
 
 
 def prompts() -> list[list[int]]:

@@ -24,6 +24,7 @@ from prefixserve.engine.grammar import TokenMatcher
 from prefixserve.runner.state import KVSnapshot
 from prefixserve.types import Constraint, Delta, FinishReason, Namespace, Request, SamplingParams, Usage
 from tests.conftest import load_embedded
+from tests.helpers.engine_run import collect_to_last as collect
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -46,14 +47,6 @@ def request(ids: list[int], tenant: str, n: int = 1, constraint: Constraint | No
     return Request(uuid.uuid4().hex, Namespace("smol", tenant), tuple(ids), sp, num_choices=n, text_history=False)
 
 
-async def collect(engine: AsyncEngine, req: Request) -> tuple[list[int], Delta]:
-    out: list[int] = []
-    last = None
-    async for d in engine.generate(req):
-        out += d.token_ids
-        last = d
-    assert last is not None
-    return out, last
 
 
 def prompts() -> list[list[int]]:

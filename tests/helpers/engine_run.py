@@ -9,7 +9,18 @@ from typing import Any
 import torch
 
 from prefixserve.engine import AsyncEngine
-from prefixserve.types import Request, Usage
+from prefixserve.types import Delta, Request, Usage
+
+
+async def collect_to_last(engine: AsyncEngine, req: Request) -> tuple[list[int], Delta]:
+    """The token ids the request generated and its last Delta (finish reason, error, usage)."""
+    out: list[int] = []
+    last = None
+    async for d in engine.generate(req):
+        out += d.token_ids
+        last = d
+    assert last is not None
+    return out, last
 
 
 async def collect(engine: AsyncEngine, req: Request) -> tuple[list[int], Usage]:
