@@ -143,6 +143,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         progress.phase("importing", "importing the runtime (torch, transformers)")
+        # every module build_engine imports on this thread, torch among them, while a SIGTERM only
+        # records (`_exit_now`): a SystemExit raised inside an import breaks numpy for the process
+        import prefixserve.engine.async_engine
+        import prefixserve.engine.torch_thread  # noqa: F401
         from prefixserve.engine import build_engine
         from prefixserve.models import ModelLoadError
     except BaseException:
