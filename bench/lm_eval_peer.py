@@ -1,6 +1,6 @@
 """lm-eval's accuracy on prefixserve and on llama.cpp's llama-server, same GGUF, same local task.
 
-    .venv/bin/python bench/lm_eval_peer.py [--peer-bin /work/peer-native/bin/llama-server]
+    .venv/bin/python bench/lm_eval_peer.py [--peer-bin .peer/bin/llama-server]
         [--model GGUF] [--out bench/results/lm_eval_peer.md] [--work DIR]
 
 Writes the 20-question task of tests/server/test_lm_eval_real.py (tests/helpers/lm_eval_task.py) in
@@ -37,7 +37,7 @@ from servers import ServerProcess, free_port
 from tests.helpers.lm_eval_task import FACTS, GEN_TASK, MC_TASK, write_gen_task, write_mc_task
 
 KEY = "sk-lm-eval-peer-0123456789"
-PEER_BIN = "/work/peer-native/bin/llama-server"
+PEER_BIN = ".peer/bin/llama-server"  # bench/peer.sh .peer
 
 
 def embedded_gguf() -> str:
