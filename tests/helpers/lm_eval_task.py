@@ -63,18 +63,24 @@ def _metric(name: str, extra: str = "") -> str:
 
 def write_mc_task(folder: Path, task: str = MC_TASK) -> Path:
     """The log-likelihood multiple-choice form: `folder/<task>.yaml` over `folder/<task>.jsonl`."""
+    return _write_task(folder, task, rows(), "multiple_choice",
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        "doc_to_target: answer\n" + _metric("acc")
+    )
+
+
+def _write_task(folder: Path, task: str, docs: list[dict], output_type: str, rest: str) -> Path:
+    """`folder/<task>.jsonl` holding `docs`, and `folder/<task>.yaml`: the head every local task shares, then `rest`."""
     data = folder / f"{task}.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     yaml = folder / f"{task}.yaml"
     yaml.write_text(
         f"task: {task}\n"
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data))}\n"
         "test_split: test\n"
-        "output_type: multiple_choice\n"
-        'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
-        'doc_to_choice: "{{choices}}"\n'
-        "doc_to_target: answer\n" + _metric("acc")
+        f"output_type: {output_type}\n" + rest
     )
     return yaml
 
@@ -86,16 +92,8 @@ def gen_prompt(question: str, choices: list[str]) -> str:
 
 def write_gen_task(folder: Path, task: str = GEN_TASK) -> Path:
     """The generative form of the same questions: the reply's first letter A-D against the answer's."""
-    data = folder / f"{task}.jsonl"
     docs = [{"prompt": gen_prompt(r["question"], r["choices"]), "letter": LETTERS[r["answer"]]} for r in rows()]
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    yaml = folder / f"{task}.yaml"
-    yaml.write_text(
-        f"task: {task}\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data))}\n"
-        "test_split: test\n"
-        "output_type: generate_until\n"
+    return _write_task(folder, task, docs, "generate_until",
         'doc_to_text: "{{prompt}}"\n'
         "doc_to_target: letter\n"
         "generation_kwargs:\n"
@@ -111,4 +109,3 @@ def write_gen_task(folder: Path, task: str = GEN_TASK) -> Path:
         "      - function: take_first\n"
         + _metric("exact_match", "    ignore_case: false\n    ignore_punctuation: true\n")
     )
-    return yaml
