@@ -132,7 +132,7 @@ def test_key_covers_what_changes_the_bits() -> None:
     base = _parts()
     keys = {prepared.entry_key(base)}
     for change in ({"dtype": "torch.float32"}, {"int4": "False"}, {"model": "0" * 32}, {"torch": "0.0"},
-                   {"cpu_capability": "AVX2"}, {"code": "x"}):
+                   {"cpu_capability": "a capability no CPU has"}, {"code": "x"}):
         keys.add(prepared.entry_key({**base, **change}))
     assert len(keys) == 7
     assert prepared.entry_key(dict(reversed(list(base.items())))) == prepared.entry_key(base)
