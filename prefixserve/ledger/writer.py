@@ -8,12 +8,15 @@ Both durable stores use it: the usage ledger (ledger/ledger.py) and the stored r
 store keeps what is its own: the connection, what a batch's commit does and how it fails, its
 log messages' wording and its thread's name. Here is only what they share: the queue and its order
 (writes reach the file in the order they were put), a flush that waits for what was put before it,
-and a close that commits what is queued and stops the thread, also at interpreter exit.
+and a close that commits what is queued and stops the thread, also at interpreter exit, and an optional
+bound on what waits (`max_pending`): a store whose disk fails must refuse writes it cannot hold, loudly,
+rather than grow until the process dies (docs/operations.md, "Usage ledger and prices").
 """
 
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import queue
 import sqlite3
@@ -26,6 +29,14 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _STOP = object()  # queue marker: commit what came before, then exit
+
+
+class Put(enum.Enum):
+    """What `BackgroundWriter.put` did with a write."""
+
+    QUEUED = "queued"  # it will reach the file in order
+    FULL = "full"  # refused: `max_pending` writes wait already (the file is failing or slow)
+    CLOSED = "closed"  # refused: the writer was closed
 
 
 class BackgroundWriter(Generic[T]):
@@ -43,22 +54,28 @@ class BackgroundWriter(Generic[T]):
         commit: Callable[[sqlite3.Connection, list[T]], bool],
         max_delay_s: float = 0.0,
         max_batch: int = 1024,
+        max_pending: int = 0,
         lock: threading.Lock | None = None,
     ) -> None:
         """`commit` returns whether the batch is durable: only then are its flushes answered (one that
         is not times out, as a caller must learn). A batch gathers for up to `max_delay_s` after its
-        first write (0: only what is queued already), at most `max_batch` writes. `lock` (default a new
-        one) orders put() against close(); a store passes its own to count under it with `num_queued`."""
+        first write (0: only what is queued already), at most `max_batch` writes. `max_pending` bounds the
+        writes put and not yet through a commit (0: no bound). `lock` (default a new one) orders put()
+        against close(); a store passes its own to count under it with `num_queued` and `num_pending`."""
+        if max_pending < 0:
+            raise ValueError("max_pending must be >= 0 (0: no bound)")
         self._label = label
         self._log = log
         self._connect = connect
         self._commit = commit
         self._max_delay_s = max_delay_s
         self._max_batch = max_batch
+        self.max_pending = max_pending
         self.lock = lock if lock is not None else threading.Lock()
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._closed = False
         self.num_queued = 0  # writes accepted by put(); read it under `lock`
+        self.num_pending = 0  # of those, the ones whose commit has not returned yet; read it under `lock`
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a process that forgets close() still commits on exit
@@ -67,14 +84,18 @@ class BackgroundWriter(Generic[T]):
     def closed(self) -> bool:
         return self._closed
 
-    def put(self, item: T) -> bool:
-        """Queue `item` for the next commit; False (nothing queued) after close()."""
+    def put(self, item: T) -> Put:
+        """Queue `item` for the next commit, or refuse it (nothing queued): CLOSED after close(), FULL
+        while `max_pending` writes wait. Never blocks on I/O; the caller says what a refusal means."""
         with self.lock:
             if self._closed:
-                return False
+                return Put.CLOSED
+            if self.max_pending and self.num_pending >= self.max_pending:
+                return Put.FULL
             self._queue.put(item)
             self.num_queued += 1
-            return True
+            self.num_pending += 1
+            return Put.QUEUED
 
     def flush(self, timeout: float) -> bool:
         """Block until everything put before this call is committed; False if that takes longer than
@@ -111,7 +132,10 @@ class BackgroundWriter(Generic[T]):
             stop = False
             while not stop:
                 batch, waiters, stop = self._collect()
-                if self._commit(conn, batch):
+                durable = self._commit(conn, batch)
+                with self.lock:  # committed, or lost and counted by the store: no longer waiting
+                    self.num_pending -= len(batch)
+                if durable:
                     for done in waiters:
                         done.set()
             try:

@@ -268,7 +268,10 @@ def create_app(
     async def _prepare(prepare: Callable[..., Prepared], body: Any, tenant_id: str, inline: bool) -> Prepared:
         """`prepare(body, ...)` on the event loop when its prompts are remembered (server/prompt_memo.py:
         no tokenizer work, and no thread hop, ~0.4 ms on an idle 2-core VM), else in the thread pool:
-        encoding a long prompt must not stall every other stream on the event loop."""
+        encoding a long prompt must not stall every other stream on the event loop. Nothing is prepared
+        for a request the usage ledger could not record (ledger/ledger.py, `refusal`): a 503."""
+        if ledger is not None and (why := ledger.refusal()) is not None:
+            raise APIError(503, why, code="ledger_backlog", headers={"Retry-After": "5"})
         if inline:
             try:
                 return prepare(body, engine, tenant_id, server_config.default_max_tokens, memo.recall_only())

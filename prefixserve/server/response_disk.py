@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixserve.ledger.writer import BackgroundWriter, retry_until_done
+from prefixserve.ledger.writer import BackgroundWriter, Put, retry_until_done
 from prefixserve.types import LEGACY_OPEN_TENANT_ID, OPEN_TENANT_ID
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class ResponseDisk:
             self._lock = -1
 
     def _send(self, op: tuple[str, tuple[Any, ...]]) -> None:
-        if not self._writer.put(op):
+        if self._writer.put(op) is not Put.QUEUED:  # no max_pending here: CLOSED only
             logger.error("stored responses: closed; a write to %s was dropped", self.path)
 
     # --- writer thread (ledger/writer.py's) ----------------------------------------------------

@@ -23,6 +23,9 @@ class FakeLedger:
     def record(self, rec: Any) -> None:
         self.records.append(rec)
 
+    def refusal(self) -> str | None:
+        return None
+
     def close(self) -> None:
         self.closed = True
 
