@@ -1,5 +1,5 @@
 """Two versions of prefixserve on `make bench`'s own workloads, interleaved: the check behind the
-README's "old -> new" figures.
+"old -> new" figures in docs/ and commit messages.
 
     .venv/bin/python bench/ab.py --rev REV [--rounds 6] [--steps "warm TTFT 600,warm TTFT 2000"]
 

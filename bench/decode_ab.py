@@ -1,4 +1,4 @@
-"""Single-stream decode of both servers, interleaved: the check behind the README's decode row.
+"""Single-stream decode of both servers, interleaved: the check behind docs/benchmarks.md's decode row.
 
     .venv/bin/python bench/decode_ab.py [--rounds 8] [--max-tokens 256]
 

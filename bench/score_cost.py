@@ -1,5 +1,5 @@
 """What scoring a prompt costs (completions' echo + logprobs + max_tokens 0) against a plain cold
-request for the same prompt: the README's "Cost" figures for scoring.
+request for the same prompt: the "Cost" figures for scoring in docs/api.md.
 
     .venv/bin/python bench/score_cost.py [--url http://127.0.0.1:8000] [--key KEY] [--repeats 3]
 

@@ -286,7 +286,7 @@ class EngineCore:
                     self._start(s)
                 taken += slots_needed(s)
         # pooled buffers (runner/state.py KVPool), pending turn refills and the admitted sessions' KV share
-        # the session budget: the server's memory bound (README, "Under pressure") holds with the pool full
+        # the session budget: the server's memory bound (docs/operations.md, "Memory") holds with the pool full
         self.runner.kv_pool.trim(self.config.max_session_bytes - self._reserved_bytes - self.refills.nbytes())
 
     def _start(self, s: Session) -> None:

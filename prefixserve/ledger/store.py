@@ -77,7 +77,7 @@ def init_schema(path: str) -> None:
     ("default", what an open server called its tenant then) become OPEN_TENANT_ID's, so an open
     server's usage reads as the open tenant's and a tenant a key file names `default` starts with
     none of it. (A deployment whose key file named a tenant `default` before this version finds that
-    tenant's earlier rows under OPEN_TENANT_ID: README, "Isolation", says how to move them back.)
+    tenant's earlier rows under OPEN_TENANT_ID: docs/tenancy.md, "The open tenant", says how to move them back.)
 
     Raises RuntimeError on a file written by a newer (or foreign) schema, OSError / sqlite3.Error
     when the path cannot be created.

@@ -345,7 +345,7 @@ def test_pending_turn_refills_share_the_session_budget_and_give_way() -> None:
     --max-session-bytes beside the running sessions' reservations, and a request that needs the room
     drops the oldest pending refills (optional work: the next turn computes what it would have
     served) rather than wait. QA: eight pending refills of long prompts held ~400 MiB past the
-    README's memory bound (RSS 2,037 MiB against 1,622)."""
+    memory bound of docs/operations.md (RSS 2,037 MiB against 1,622)."""
     model, runner = load_embedded("int4")
     per_token = runner.kv_bytes_per_token()
     ask = [model.tokenizer.render_chat([{"role": "user", "content": f"Tell me about colour number {i}. " * 20}])

@@ -10,7 +10,7 @@ Holds: every response is either a complete 200 stream (usage included, finish_re
 in OpenAI's error shape with a `Retry-After` header, and some are refused (264 requests against
 <= 64 running + 128 queued); the server's RSS, sampled every 50 ms throughout, stays under its
 documented bound: RSS when idle + `--max-session-bytes` + `--cache-max-bytes` + 256 MiB for
-everything per connection (README, "Under pressure"); afterwards it is healthy, idle, and serves a
+everything per connection (docs/operations.md, "Under pressure"); afterwards it is healthy, idle, and serves a
 new request.
 """
 
