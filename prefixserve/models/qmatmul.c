@@ -50,7 +50,6 @@ static inline __attribute__((always_inline)) void block(int R, int q8, const flo
     for (int r = 0; r < R; r++)
         for (int j = 0; j < OB; j++) acc[r][j] = V_ZERO();
     int64_t groups = K / 32;
-    const vec iota = V_IOTA();
     for (int64_t g = 0; g < groups; g++) {
         vec lo[OB], hi[OB], s[OB];
         const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
@@ -65,8 +64,7 @@ static inline __attribute__((always_inline)) void block(int R, int q8, const flo
                 hi[j] = v_q8((const int8_t *)p + 32 * j + 16);
                 s[j] = V_SET1(scale[j]);
             } else {
-                vec table = V_FMA(V_SET1(scale[j]), iota, V_SET1(bias[j]));
-                v_q4(p + 16 * j, table, &lo[j], &hi[j]);
+                v_q4(p + 16 * j, scale[j], bias[j], &lo[j], &hi[j]);
             }
         }
         for (int r = 0; r < R; r++) {
@@ -124,7 +122,6 @@ static inline __attribute__((always_inline)) void block_wide(int R, int q8, cons
 /* one block of OB outputs as fp32 weights wb [groups][OB][32] (codes 0..15, then 16..31) and, for
  * Q8, scales sc [groups][OB] */
 static void widen(int q8, int64_t K, const uint8_t *q, float *wb, float *sc) {
-    const vec iota = V_IOTA();
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
         const float *scale = (const float *)(p + (q8 ? 128 : 64)), *bias = scale + 4;
@@ -139,7 +136,7 @@ static void widen(int q8, int64_t K, const uint8_t *q, float *wb, float *sc) {
                 hi = v_q8((const int8_t *)p + 32 * j + 16);
                 sc[g * OB + j] = scale[j];
             } else {
-                v_q4(p + 16 * j, V_FMA(V_SET1(scale[j]), iota, V_SET1(bias[j])), &lo, &hi);
+                v_q4(p + 16 * j, scale[j], bias[j], &lo, &hi);
             }
             V_STORE(w + 32 * j, lo);
             V_STORE(w + 32 * j + 16, hi);

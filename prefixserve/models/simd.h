@@ -63,7 +63,9 @@ static inline vec v_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 /* 16 bytes of 4-bit codes -> table[code] for their low nibbles (lo) and their high ones (hi) */
-static inline void v_q4(const uint8_t *p, vec table, vec *lo, vec *hi) {
+static inline vec V_IOTA(void) { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+static inline void v_q4(const uint8_t *p, float scale, float bias, vec *lo, vec *hi) {
+    vec table = _mm512_fmadd_ps(_mm512_set1_ps(scale), V_IOTA(), _mm512_set1_ps(bias));
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     *lo = _mm512_permutexvar_ps(b, table);  /* uses the index's low 4 bits only */
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
@@ -77,7 +79,6 @@ static inline vec V_ABS(vec v) { return _mm512_abs_ps(v); }
 static inline vec v_if_negative(vec g, vec a, vec b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
 }
-static inline vec V_IOTA(void) { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* lanes 0-7 in lo, 8-15 in hi */
@@ -128,16 +129,17 @@ static inline __m256 v_bf16_8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 static inline vec v_load_bf16(const uint16_t *p) { return v_pair(v_bf16_8(p), v_bf16_8(p + 8)); }
-/* table[idx & 15] for 8 lanes: the low 3 bits pick within a half, bit 3 (moved to the sign) the half */
-static inline __m256 v_lookup16(vec table, __m256i idx, int bit3_shift) {
-    __m256 a = _mm256_permutevar8x32_ps(table.lo, idx), b = _mm256_permutevar8x32_ps(table.hi, idx);
-    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, bit3_shift)));
+/* fma(scale, code, bias) for 8 codes (int32 lanes): the AVX-512 body's table entry, computed in place */
+static inline __m256 v_q4_8(__m256i codes, __m256 scale, __m256 bias) {
+    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(codes), bias);
 }
-static inline void v_q4(const uint8_t *p, vec table, vec *lo, vec *hi) {
+static inline void v_q4(const uint8_t *p, float scale, float bias, vec *lo, vec *hi) {
+    const __m256i m = _mm256_set1_epi32(15);
+    const __m256 s = _mm256_set1_ps(scale), b = _mm256_set1_ps(bias);
     __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    *lo = v_pair(v_lookup16(table, b0, 28), v_lookup16(table, b1, 28));
-    *hi = v_pair(v_lookup16(table, _mm256_srli_epi32(b0, 4), 28), v_lookup16(table, _mm256_srli_epi32(b1, 4), 28));
+    *lo = v_pair(v_q4_8(_mm256_and_si256(b0, m), s, b), v_q4_8(_mm256_and_si256(b1, m), s, b));
+    *hi = v_pair(v_q4_8(_mm256_srli_epi32(b0, 4), s, b), v_q4_8(_mm256_srli_epi32(b1, 4), s, b));
 }
 static inline vec v_q8(const int8_t *p) {
     return v_pair(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
@@ -178,7 +180,9 @@ static inline vec v_load_bf16(const uint16_t *p) {
     }
     return r;
 }
-static inline void v_q4(const uint8_t *p, vec table, vec *lo, vec *hi) {
+static inline vec V_IOTA(void) { vec r; for (int i = 0; i < 16; i++) r.f[i] = (float)i; return r; }
+static inline void v_q4(const uint8_t *p, float scale, float bias, vec *lo, vec *hi) {
+    vec table = V_FMA(V_SET1(scale), V_IOTA(), V_SET1(bias));
     for (int i = 0; i < 16; i++) {
         lo->f[i] = table.f[p[i] & 15];
         hi->f[i] = table.f[p[i] >> 4];
@@ -191,7 +195,6 @@ static inline vec v_if_negative(vec g, vec a, vec b) {
     for (int i = 0; i < 16; i++) r.f[i] = g.f[i] < 0.0f ? b.f[i] : a.f[i];
     return r;
 }
-static inline vec V_IOTA(void) { vec r; for (int i = 0; i < 16; i++) r.f[i] = (float)i; return r; }
 #endif
 
 /* t[i] += t[i + w] for w = 8, 4, 2, 1: a fixed tree over the 16 lanes */
