@@ -60,8 +60,8 @@ cluster: install redis-server
 	PORT=$(PORT) bash bench/cluster.sh $(N)
 
 lint: install
-	$(VENV)/bin/ruff check prefixserve tests
-	$(VENV)/bin/mypy prefixserve
+	$(VENV)/bin/ruff check prefixserve tests tools
+	$(VENV)/bin/mypy prefixserve tools
 
 # The peer, llama.cpp's own C++ llama-server, is built once from llama-cpp-python's sdist (compiles).
 # BENCH_ARGS=--quick for a short development run.
