@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -91,6 +92,37 @@ class SharedTierConfig:
             raise ValueError("the Redis key prefix must be non-empty, without glob characters or ':'")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+
+
+KV_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """KV events in vLLM's ZMQ format: the RAM cache's blocks announced to a gateway's indexer
+    (docs/gateway.md). The flags mirror vLLM's --kv-events-config fields of the same names."""
+
+    endpoint: str  # PUB socket: bound where it has '*' or '::' (or is ipc:// / inproc://), else connected
+    topic: str = ""  # first frame of every message; llm-d's indexer wants kv@<pod-id>@<model-name>
+    replay_endpoint: str | None = None  # ROUTER socket (always bound) answering replays from a sequence number
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark (messages ZMQ queues per subscriber)
+    max_queue_size: int = 100_000  # cache changes waiting for the publisher thread; past it they are dropped
+    block_size: int = 16  # tokens per announced block; must be the indexer's block size
+    data_parallel_rank: int = 0  # the third field of every batch
+    # keys the block hashes (docs/gateway.md, "What events reveal"): random per process unless a test sets it
+    hash_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+
+    def __post_init__(self) -> None:
+        for name, value in (("endpoint", self.endpoint), ("replay endpoint", self.replay_endpoint)):
+            if value is not None and not value.startswith(KV_EVENT_SCHEMES):
+                raise ValueError(f"the KV events {name} must start with tcp://, ipc:// or inproc://, not {value!r}")
+        if self.block_size < 1:
+            raise ValueError("the KV events block size must be >= 1")
+        if self.buffer_steps < 0 or self.hwm < 0 or self.max_queue_size < 1:
+            raise ValueError("KV events buffer steps and hwm must be >= 0, the queue size >= 1")
+        if not 16 <= len(self.hash_key) <= 64:  # BLAKE2b's key
+            raise ValueError("the KV events hash key is 16 to 64 bytes")
 
 
 @dataclass(frozen=True, slots=True)

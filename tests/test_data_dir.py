@@ -54,7 +54,7 @@ def test_serve_puts_the_disk_tier_and_the_ledger_in_the_data_dir(
 
     seen: list[CacheConfig] = []
 
-    def no_load(model_config: object, cache_config: CacheConfig, engine_config: object, progress: object = None) -> None:
+    def no_load(model_config: object, cache_config: CacheConfig, engine_config: object, **kwargs: object) -> None:
         seen.append(cache_config)
         raise ModelLoadError("not in this test")
 

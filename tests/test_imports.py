@@ -53,3 +53,10 @@ def test_runner_never_imports_cache_and_nothing_imports_server():
 def test_modules_stay_small():
     big = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if len(p.read_text().splitlines()) > 350]
     assert not big, big
+
+
+def test_kv_events_import_only_the_cache_config_and_types():
+    allowed = ("prefixserve.kvevents", "prefixserve.cache", "prefixserve.config", "prefixserve.types")
+    for f, names in package_imports("kvevents").items():
+        assert all(n.startswith(allowed) for n in ours(names)), (f, ours(names))
+        assert not any(n == "torch" or n.startswith("torch.") for n in names), f

@@ -15,6 +15,7 @@ from typing import Generic
 from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss, resume_points
 from prefixserve.cache.eviction import LRUOrder, make_order
 from prefixserve.cache.index import RadixIndex, _require
+from prefixserve.cache.listener import CacheListener
 from prefixserve.cache.room import plan_room
 from prefixserve.cache.state import S
 from prefixserve.cache.stats import CacheStats, Counters, add_counters, snapshot
@@ -41,11 +42,13 @@ class PrefixCache(Generic[S]):
 
     Visibility is per namespace: a lookup sees only its own namespace's entries. Memory is global:
     an insert in one namespace may evict another's least recently used entries. Pinned entries are
-    never evicted. Every method runs on the engine thread (see the module docstring).
+    never evicted. Every method runs on the engine thread (see the module docstring). `listener`, if
+    given, is told of every entry stored and removed (cache/listener.py; KV events, docs/gateway.md).
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, listener: CacheListener | None = None) -> None:
         self.config = config
+        self.listener = listener
         self._spaces: dict[Namespace, _Space[S]] = {}
         self._lru: OrderedDict[Entry[S], None] = OrderedDict()  # least recently used first
         self._order: LRUOrder[S] = make_order(config.eviction, self._lru)  # keeps _lru; who goes first
@@ -131,6 +134,8 @@ class PrefixCache(Generic[S]):
         space.index.add(entry)
         self._order.added(entry)
         counters.num_insertions += 1
+        if self.listener is not None:
+            self.listener.stored(entry)
         status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
         return InsertResult(status, entry, len(victims), num_evicted_bytes, tuple(victims))
 
@@ -240,6 +245,8 @@ class PrefixCache(Generic[S]):
         for space in self._spaces.values():
             space.index = RadixIndex()
             space.ledger = StorageLedger()
+        if self.listener is not None:
+            self.listener.cleared()
 
     def check_integrity(self) -> None:
         """Assert every invariant: each namespace's tree is sound and holds exactly that namespace's
@@ -297,4 +304,6 @@ class PrefixCache(Generic[S]):
         space.ledger.release(entry.pieces)
         self._order.dropped(entry)
         entry.is_cached = False
+        if self.listener is not None:
+            self.listener.removed(entry)
         return self._ledger.release(entry.pieces)

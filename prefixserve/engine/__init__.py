@@ -11,6 +11,7 @@ from prefixserve.config import CacheConfig, EngineConfig, ModelConfig
 from prefixserve.engine.protocol import EngineClient, EngineHealth
 
 if TYPE_CHECKING:
+    from prefixserve.cache import CacheListener
     from prefixserve.engine.async_engine import AsyncEngine
     from prefixserve.engine.core import EngineCore
 
@@ -38,21 +39,22 @@ Progress = Callable[[str, str], None]  # (phase, what it is doing): server/start
 
 def build_engine(
     model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig,
-    progress: Progress | None = None,
+    progress: Progress | None = None, cache_listener: CacheListener | None = None,
 ) -> AsyncEngine:
     """Load the model, run the invariance self-test, and start the engine thread.
 
     `progress` is called (on the engine's thread) as each long phase begins: "native_kernels",
     "loading_model", "self_test" (the two again for --dtype auto's fp32 retry), "cache_tiers" (where
-    a disk or shared tier is configured). Raises models.ModelLoadError (with a clear message) when
-    the model cannot be loaded."""
+    a disk or shared tier is configured). `cache_listener` is told of the RAM cache's entries (the KV
+    events, docs/gateway.md); the caller owns and closes it. Raises models.ModelLoadError (with a
+    clear message) when the model cannot be loaded."""
     from prefixserve.engine.async_engine import AsyncEngine
     from prefixserve.engine.torch_thread import TorchThread
 
     thread = TorchThread()
     try:
         core, model_id, tokenizer, detail, vocab_size = thread.call(
-            lambda: _build_core(model_config, cache_config, engine_config, progress or _silent)
+            lambda: _build_core(model_config, cache_config, engine_config, progress or _silent, cache_listener)
         )
     except BaseException:
         thread.close()
@@ -86,7 +88,8 @@ def _silent(phase: str, detail: str) -> None:
 
 
 def _build_core(
-    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig, progress: Progress
+    model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig, progress: Progress,
+    cache_listener: CacheListener | None,
 ) -> tuple[EngineCore, str, Any, str, int]:
     """Runs on the engine's TorchThread, which all later torch work uses too."""
     import torch
@@ -170,7 +173,7 @@ def _build_core(
     core = EngineCore(
         runner=runner,
         tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
-        cache=PrefixCache(cache_config),
+        cache=PrefixCache(cache_config, cache_listener),
         config=engine_config,
         max_model_len=max_len,
         emit=lambda rid, d: None,

@@ -66,8 +66,9 @@ def take(core: EngineCore) -> MetricsSnapshot:
 
 def read(core: EngineCore, snap: MetricsSnapshot, peak_requests: int) -> dict[str, float]:
     """The figures for /metrics from `snap`, plus what is read live: the peak (taken at submission,
-    off the engine thread), the oldest wait (grows with the clock) and the disk and Redis tiers
-    (their writer/loader threads change them outside steps; each guards them with its own short lock)."""
+    off the engine thread), the oldest wait (grows with the clock), the disk and Redis tiers
+    (their writer/loader threads change them outside steps; each guards them with its own short lock)
+    and the cache listener's counters."""
     out = dict(snap.values)
     out["peak_requests"] = float(peak_requests)  # most requests running + waiting at once since start
     out["oldest_wait_seconds"] = time.monotonic() - snap.oldest_arrival if snap.oldest_arrival is not None else 0.0
@@ -75,4 +76,6 @@ def read(core: EngineCore, snap: MetricsSnapshot, peak_requests: int) -> dict[st
         out.update({f"cache_{k}": v for k, v in core.disk.stats().items()})
     if core.shared is not None:
         out.update({f"cache_{k}": v for k, v in core.shared.stats().items()})
+    if core.cache.listener is not None:  # the KV events' publisher (docs/gateway.md): its thread's counters
+        out.update(core.cache.listener.stats())
     return out

@@ -54,6 +54,7 @@ _ENGINE_COUNTERS = frozenset({
     "requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "completion_tokens",
     "cache_lookups", "cache_full_hits", "cache_partial_hits", "cache_misses", "cache_insertions", "cache_evictions",
     "cache_evicted_bytes", "cache_rejected_too_large", "cache_ram_hits", "cache_ram_evictions", "cache_ram_flushed",
+    "kv_events_batches", "kv_events_events", "kv_events_dropped_changes", "kv_events_resyncs",
 })
 # ... and the lower tiers' (cache_disk_<key>, cache_redis_<key>; cache/tier.py TierCounters and the rest)
 _TIER_COUNTERS = frozenset({
@@ -73,6 +74,8 @@ _ENGINE_DOCS = {
     "peak_requests": "Most requests running + waiting at once since start",
     "waiting": "Requests not started yet (the engine's queue and inbox)",
     "queued": "Waiting requests the next step cannot start; --max-queued-requests bounds them",
+    "kv_events_dropped_changes": "Cache changes the KV events dropped: their queue was full (docs/gateway.md)",
+    "kv_events_resyncs": "Times the KV events withdrew every announced block after dropped changes",
 }
 
 

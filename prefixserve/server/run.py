@@ -37,10 +37,11 @@ from prefixserve.config import (
     default_data_dir,
     default_model_cache_dir,
 )
+from prefixserve.kvevents import open_publisher
 from prefixserve.ledger import Ledger, Pricing
 from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
 from prefixserve.server.response_store import open_response_store
-from prefixserve.server.settings import api_key_specs, resolve_all
+from prefixserve.server.settings import api_key_specs, kv_events_config, resolve_all
 from prefixserve.server.startup import LoadingServer, StartupProgress, hand_over
 
 if TYPE_CHECKING:  # not at run time: prefixserve.engine imports torch, seconds the port would not answer in
@@ -54,7 +55,7 @@ logger = logging.getLogger("prefixserve.server")
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM / Ctrl-C, drain, return 0. Configuration errors return 2."""
     env = os.environ
-    responses = None
+    responses = kv_events = None
     try:
         s = resolve_all(args, env)
         logging.basicConfig(
@@ -108,6 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if cache_config.disk_max_bytes and cache_config.disk_dir:  # one that cannot be made is a config error;
             # one that exists read-only is served from, with a warning (docs/cache.md, "Disk failures")
             make_dir("--cache-dir" if s["cache_dir"] else "--data-dir", Path(cache_config.disk_dir), mode=0o700)
+        kv_events = open_publisher(kv_events_config(s))  # the KV events' sockets, bound or connected now
         # stored /v1/responses answers, read back from their file (server/response_disk.py)
         responses = open_response_store(server_config.max_stored_responses, server_config.responses_path,
                                         "--responses-path" if s["responses_path"] else "--data-dir")
@@ -115,14 +117,14 @@ def run_serve(args: argparse.Namespace) -> int:
                                                          "--ledger-path" if s["ledger_path"] else "--data-dir")
     except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
         print(f"prefixserve serve: {e}", file=sys.stderr)
-        _close(responses)
+        _close(kv_events, responses)
         return 2
     try:  # the port is ours before the model loads: a port in use is an error now, not after the load
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as e:
         print(f"prefixserve serve: cannot listen on {server_config.host}:{server_config.port}: "
               f"{e.strerror or e}", file=sys.stderr)
-        _close(ledger, responses)
+        _close(ledger, responses, kv_events)
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
@@ -138,7 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
     def abandon() -> None:  # a start-up that ends before serving
         loading.stop()
         progress.close()
-        _close(ledger, responses)
+        _close(ledger, responses, kv_events)
         sock.close()
 
     try:
@@ -158,7 +160,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     logger.info("loading the model ...")
     try:
-        engine = build_engine(model_config, cache_config, engine_config, progress=progress.phase)
+        engine = build_engine(model_config, cache_config, engine_config, progress=progress.phase,
+                              cache_listener=kv_events)
     except ConfigError as e:  # a setting the model loaded cannot work with (config.py)
         print(f"prefixserve serve: {e}", file=sys.stderr)
         abandon()
@@ -187,6 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         loading.stop()
         progress.close()
+        _close(kv_events)  # after the engine drained: its last changes are published
 
 
 def server_url(host: str, sock: socket.socket) -> str:
@@ -325,7 +329,7 @@ def read_keys_file_for_flag(path: str) -> list[str]:
 
 
 def _close(*owned: Any | None) -> None:
-    """Close the ledger and the response store (each None when off) on a start that fails."""
+    """Close the ledger, the response store and the KV events (each None when off)."""
     for thing in owned:
         if thing is not None:
             thing.close()

@@ -20,6 +20,7 @@ from prefixserve.config import (
     DTYPES,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ServerConfig,
 )
 
@@ -81,6 +82,13 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "cache_redis_url": ("PREFIXSERVE_CACHE_REDIS_URL", str, None),
     "cache_redis_key": ("PREFIXSERVE_CACHE_REDIS_KEY", str, None),
     "cache_redis_key_file": ("PREFIXSERVE_CACHE_REDIS_KEY_FILE", str, None),
+    "kv_events_endpoint": ("PREFIXSERVE_KV_EVENTS_ENDPOINT", str, None),
+    "kv_events_topic": ("PREFIXSERVE_KV_EVENTS_TOPIC", str, ""),
+    "kv_events_replay_endpoint": ("PREFIXSERVE_KV_EVENTS_REPLAY_ENDPOINT", str, None),
+    "kv_events_buffer_steps": ("PREFIXSERVE_KV_EVENTS_BUFFER_STEPS", int, 10_000),
+    "kv_events_hwm": ("PREFIXSERVE_KV_EVENTS_HWM", int, 100_000),
+    "kv_events_max_queue_size": ("PREFIXSERVE_KV_EVENTS_MAX_QUEUE_SIZE", int, 100_000),
+    "kv_events_block_size": ("PREFIXSERVE_KV_EVENTS_BLOCK_SIZE", int, 16),
     "max_model_len": ("PREFIXSERVE_MAX_MODEL_LEN", int, None),
     "dtype": ("PREFIXSERVE_DTYPE", str, "auto"),
     "device": ("PREFIXSERVE_DEVICE", str, "auto"),
@@ -145,6 +153,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "--cache-redis-key-file (PREFIXSERVE_CACHE_REDIS_KEY)")
     a("--cache-redis-key-file", metavar="FILE",
       help="file holding that secret, surrounding whitespace ignored (PREFIXSERVE_CACHE_REDIS_KEY_FILE)")
+    a("--kv-events-endpoint", metavar="ENDPOINT",
+      help="publish the RAM cache's blocks as vLLM's KV events (ZMQ PUB, msgpack) for a gateway's indexer: "
+           "tcp://*:5557 binds, tcp://indexer:5557 connects. Events carry prompt token ids: only where the gateway "
+           "alone can reach it (docs/gateway.md; PREFIXSERVE_KV_EVENTS_ENDPOINT; default: off)")
+    a("--kv-events-topic", metavar="TOPIC",
+      help="every message's first frame; llm-d's indexer wants kv@<pod-id>@<model-name> (PREFIXSERVE_KV_EVENTS_TOPIC; "
+           "default empty)")
+    a("--kv-events-replay-endpoint", metavar="ENDPOINT",
+      help="ZMQ ROUTER answering requests for missed batches by sequence number (PREFIXSERVE_KV_EVENTS_REPLAY_ENDPOINT)")
+    a("--kv-events-buffer-steps", type=int, metavar="N",
+      help="batches kept for replay (PREFIXSERVE_KV_EVENTS_BUFFER_STEPS; default 10000)")
+    a("--kv-events-hwm", type=int, metavar="N",
+      help="the PUB socket's high-water mark (PREFIXSERVE_KV_EVENTS_HWM; default 100000)")
+    a("--kv-events-max-queue-size", type=int, metavar="N",
+      help="cache changes waiting to be published; past it they are dropped and counted, never waited for "
+           "(PREFIXSERVE_KV_EVENTS_MAX_QUEUE_SIZE; default 100000)")
+    a("--kv-events-block-size", type=int, metavar="N",
+      help="tokens per announced block, the indexer's block size (PREFIXSERVE_KV_EVENTS_BLOCK_SIZE; default 16)")
     a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
@@ -237,3 +263,16 @@ def api_key_specs(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]
 
 def split_env_keys(raw: str) -> list[str]:
     return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+def kv_events_config(s: Mapping[str, Any]) -> KVEventsConfig | None:
+    """The KV events' config from the resolved settings, or None without --kv-events-endpoint (ValueError
+    for a bad value, or a companion flag given without it)."""
+    if not s["kv_events_endpoint"]:
+        if s["kv_events_replay_endpoint"]:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    return KVEventsConfig(endpoint=s["kv_events_endpoint"], topic=s["kv_events_topic"],
+                          replay_endpoint=s["kv_events_replay_endpoint"] or None,
+                          buffer_steps=s["kv_events_buffer_steps"], hwm=s["kv_events_hwm"],
+                          max_queue_size=s["kv_events_max_queue_size"], block_size=s["kv_events_block_size"])
