@@ -80,7 +80,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         data_dir = Path(s["data_dir"] or default_data_dir(env))
         cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),
-                                   disk_max_bytes=s["cache_disk_bytes"], shared=shared_tier_config(s))
+                                   disk_max_bytes=s["cache_disk_bytes"], shared=shared_tier_config(s),
+                                   eviction=s["cache_eviction"])
         engine_config = EngineConfig(
             prefill_chunk_tokens=s["prefill_chunk_tokens"],
             max_batch_tokens=s["max_batch_tokens"],

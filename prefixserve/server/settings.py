@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from prefixserve.cache.eviction import EVICTION_POLICIES
 from prefixserve.config import (
     DECODE_KERNELS,
     DEFAULT_MAX_TOKENS,
@@ -62,6 +63,13 @@ def parse_origins(text: str) -> tuple[str, ...]:
     return origins
 
 
+def parse_eviction(value: str) -> str:
+    """A `CacheConfig.eviction` policy name (ValueError naming the choices otherwise)."""
+    if value not in EVICTION_POLICIES:
+        raise ValueError(f"one of {', '.join(EVICTION_POLICIES)}")
+    return value
+
+
 def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
@@ -79,6 +87,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "cache_max_bytes": ("PREFIXSERVE_CACHE_MAX_BYTES", parse_bytes, CacheConfig().max_bytes),
     "cache_dir": ("PREFIXSERVE_CACHE_DIR", str, None),  # None = <data dir>/cache
     "cache_disk_bytes": ("PREFIXSERVE_CACHE_DISK_BYTES", parse_bytes, 0),
+    "cache_eviction": ("PREFIXSERVE_CACHE_EVICTION", parse_eviction, CacheConfig().eviction),
     "cache_redis_url": ("PREFIXSERVE_CACHE_REDIS_URL", str, None),
     "cache_redis_key": ("PREFIXSERVE_CACHE_REDIS_KEY", str, None),
     "cache_redis_key_file": ("PREFIXSERVE_CACHE_REDIS_KEY_FILE", str, None),
@@ -141,6 +150,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "(PREFIXSERVE_ALLOWED_ORIGINS)")
     a("--cache-max-bytes", type=parse_bytes, metavar="N",
       help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES; default 2G)")
+    a("--cache-eviction", choices=EVICTION_POLICIES,
+      help="which unpinned entry makes room first when the budget is full (docs/cache.md, \"Eviction\"; "
+           "PREFIXSERVE_CACHE_EVICTION; default lru)")
     a("--cache-dir", metavar="PATH",
       help="the disk cache tier's directory (PREFIXSERVE_CACHE_DIR; default <data-dir>/cache)")
     a("--cache-disk-bytes", type=parse_bytes, metavar="N",

@@ -130,6 +130,16 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert settings.resolve(_args("--shutdown-timeout", "0"), "shutdown_timeout", {"PREFIXSERVE_SHUTDOWN_TIMEOUT": "9"}) == 0
 
 
+
+def test_cache_eviction_flag_and_environment() -> None:
+    assert settings.resolve(_args(), "cache_eviction", {}) == "lru"
+    assert settings.resolve(_args(), "cache_eviction", {"PREFIXSERVE_CACHE_EVICTION": "gdsf"}) == "gdsf"
+    assert settings.resolve(_args("--cache-eviction", "lru"), "cache_eviction", {"PREFIXSERVE_CACHE_EVICTION": "gdsf"}) == "lru"
+    with pytest.raises(ValueError, match="PREFIXSERVE_CACHE_EVICTION='fifo'.*lru, gdsf"):
+        settings.resolve(_args(), "cache_eviction", {"PREFIXSERVE_CACHE_EVICTION": "fifo"})
+    with pytest.raises(SystemExit):
+        _args("--cache-eviction", "fifo")
+
 def test_shutdown_timeout_is_seconds_at_least_0() -> None:
     assert settings.parse_seconds("30") == 30.0 and settings.parse_seconds("0") == 0.0
     for bad in ("-1", "soon", "nan", "inf", ""):
