@@ -96,6 +96,7 @@ def _build_core(
 
     from prefixserve.cache import PrefixCache
     from prefixserve.engine.core import EngineCore
+    from prefixserve.engine.grammar import build_beside
     from prefixserve.models import load_model, native, resolve_device, resolve_dtype
     from prefixserve.models.threads import KERNEL_THREADS
     from prefixserve.runner import ModelRunner
@@ -119,6 +120,7 @@ def _build_core(
                           cache_dir=model_config.cache_dir)
 
     loaded = load(dtype, model_config.decode_kernel)
+    grammars = build_beside(loaded.tokenizer, loaded.arch.vocab_size)  # holds the GIL: beside the self-test, not a step
     memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")
 
     def self_test(runner: ModelRunner, identity: str | None) -> SelfTestResult:
@@ -170,6 +172,7 @@ def _build_core(
         max_len = min(max_len, model_config.max_model_len)
     if cache_config.max_bytes == 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
         log.warning("--cache-max-bytes 0 turns caching off: the disk and shared tiers are neither written nor read")
+    compiler = grammars()  # before the tokenizer's copy below: the build reads the tokenizer
     core = EngineCore(
         runner=runner,
         tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
@@ -180,6 +183,7 @@ def _build_core(
         exact_reuse=result.ok,
         disk=disk,
         shared=shared,
+        grammars=compiler,
     )
     model_id = model_config.served_model_name or loaded.name
     log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,

@@ -19,8 +19,8 @@ first served.
 
 Race-free: the engine thread publishes the core's room whole (`Room`, immutable) after each change,
 and takes a request out of the inbox in the same locked swap that publishes the room with it in the
-core's queue (the work of queueing it, `EngineCore.add`, runs before, outside the lock: the first
-constrained request compiles its grammar there). The lock is held only for such swaps and the event
+core's queue (the work of queueing it, `EngineCore.add`, runs before, outside the lock; a constrained request's
+grammar was compiled before it reached the inbox, on a worker thread). The lock is held only for such swaps and the event
 loop's bookkeeping, never for work; `counts` reads the `Counts` each swap publishes, without it.
 Between publications (a step of seconds) the room is the one before the step: the step's own
 admissions were counted as starting, its finishes free room only after it.
@@ -40,6 +40,7 @@ from prefixserve.types import Overloaded, Request, lcp
 
 if TYPE_CHECKING:
     from prefixserve.engine.core import EngineCore
+    from prefixserve.engine.grammar import TokenMatcher
 
 RETRY_AFTER_S = 2  # a 429's Retry-After: about one step
 FOLLOW_MIN_TOKENS = 64  # a request waits for a prompt under way only to be served at least this many more tokens
@@ -205,14 +206,14 @@ class AdmissionQueue:
             self.peak = max(self.peak, self._room.num_running + len(waiting) + 1)
             self._recount()
 
-    def take(self, core: EngineCore, request: Request) -> None:
-        """Engine thread: move the inbox's oldest request into the core's queue (`EngineCore.add`, not
-        under the lock), then take it out of the inbox and publish the core's room with it, as one
-        change for the readers: until then they count it in the inbox, after it in the core's queue.
-        It leaves the inbox also when `EngineCore.add` raises."""
+    def take(self, core: EngineCore, request: Request, matcher: TokenMatcher | None = None) -> None:
+        """Engine thread: move the inbox's oldest request into the core's queue (`EngineCore.add`, with
+        its constraint's `matcher` compiled beforehand, not under the lock), then take it out of the inbox
+        and publish the core's room with it, as one change for the readers: until then they count it in
+        the inbox, after it in the core's queue. It leaves the inbox also when `EngineCore.add` raises."""
         rid = request.request_id
         try:
-            core.add(request)
+            core.add(request, matcher)
         finally:
             now = room(core)
             with self._lock:

@@ -83,9 +83,9 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
         self.validate(request)
-        if request.sampling.constraint is not None and not self.core.has_grammars:
-            with contextlib.suppress(Exception):  # built beside the engine; a failure is core.add's to report
-                await asyncio.to_thread(self.core.grammars)
+        matcher = None
+        if request.sampling.constraint is not None:  # compiled beside the step (InvalidRequest: a 400), never in it
+            matcher = await asyncio.to_thread(self.core.compile, request.sampling.constraint)
         rid = request.request_id
         # the stream first, then the checks: an engine dying after this ends it (`_die` sees it), and
         # one that died before it is seen here; never a stream that nothing will end
@@ -101,7 +101,7 @@ class AsyncEngine:
         except BaseException:
             self._streams.close(rid, q, 0, early=False)
             raise
-        self._submit("add", request)
+        self._submit("add", (request, matcher))
         finished = False  # every choice finished, or the request failed
         num_left = request.num_choices
         try:
@@ -313,12 +313,13 @@ class AsyncEngine:
             except queue.Empty:
                 return drained
             drained = True
-            if kind == "add":
+            if kind == "add":  # arg: (the request, its compiled constraint or None)
+                request, matcher = arg
                 try:  # out of the inbox and into the core's queue as one change for the readers
-                    self._admission.take(self.core, arg)
+                    self._admission.take(self.core, request, matcher)
                 except Exception as e:  # this request only: it cannot be queued
-                    log.exception("could not queue request %s", arg.request_id)
-                    self._emit(arg.request_id, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
+                    log.exception("could not queue request %s", request.request_id)
+                    self._emit(request.request_id, Delta(text="", token_ids=(), finish_reason=FinishReason.ERROR,
                                                      usage=Usage(0, 0, 0), error=f"{type(e).__name__}: {e}"))
             elif kind == "abort":
                 try:

@@ -19,7 +19,7 @@ from prefixserve.config import EngineConfig, session_tokens
 from prefixserve.engine import admission, control, inserts, outputs
 from prefixserve.engine.detok import IncrementalDetokenizer
 from prefixserve.engine.disk_loads import DiskLoads
-from prefixserve.engine.grammar import GrammarCompiler
+from prefixserve.engine.grammar import GrammarCompiler, TokenMatcher
 from prefixserve.engine.protocol import FlushReport, TokenizerLike
 from prefixserve.engine.refill import TurnRefills
 from prefixserve.engine.session import Phase, Session, Snapshot, kv_bytes_needed, slots_needed, tokens_needed
@@ -31,6 +31,7 @@ from prefixserve.runner import (
 )
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import (
+    Constraint,
     Delta,
     FinishReason,
     FlushScope,
@@ -76,7 +77,10 @@ class EngineCore:
         exact_reuse: bool = True,
         disk: DiskTier | None = None,
         shared: SharedTier | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """`grammars`: the tokenizer's grammar compiler when it was built already (build_engine builds it
+        beside the self-test); else the first constrained request builds it (`grammars`)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.cache = cache
@@ -90,7 +94,7 @@ class EngineCore:
         self.waiting: deque[Session] = deque()  # in arrival order; started in admission.FairShare's
         self.fair = admission.FairShare()
         self.running: list[Session] = []
-        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars = grammars
         self._grammars_lock = threading.Lock()  # `grammars` may be called off the engine thread
         self.suspects: list[Session] = []  # sessions of a failed batch, run alone until cleared (engine/control.py)
         self.record = StepRecord()  # what the step under way has done (engine/step_record.py)
@@ -104,15 +108,17 @@ class EngineCore:
 
     # ---- public -------------------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        """Queue a validated request (its prompt fits: len(prompt) < max_model_len)."""
+    def add(self, request: Request, matcher: TokenMatcher | None = None) -> None:
+        """Queue a validated request (its prompt fits: len(prompt) < max_model_len). `matcher`: its
+        constraint compiled already (`compile`, off the engine thread: AsyncEngine does); without one a
+        constrained request is compiled here, on the caller's thread."""
         sp = request.sampling
         s = Session(request=request, detok=IncrementalDetokenizer(self.tokenizer, sp.stop, sp.stop_skip),
-                    generator=make_generator(sp.seed))
+                    generator=make_generator(sp.seed), matcher=matcher)
         self.counters.num_requests += 1
-        if sp.constraint is not None:
+        if sp.constraint is not None and matcher is None:
             try:
-                s.matcher = self.grammars().matcher(sp.constraint)
+                s.matcher = self.compile(sp.constraint)
             except Exception as e:  # the server checked the grammar; this is a last resort
                 log.exception("constraint of %s refused", request.request_id)
                 self._finish(s, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
@@ -120,12 +126,20 @@ class EngineCore:
         self.waiting.append(s)
 
     def grammars(self) -> GrammarCompiler:
-        """The tokenizer's grammar compiler, built once (~0.4 s) on first use. Thread-safe: the server
-        builds it on a worker thread before it hands the first constrained request over (AsyncEngine)."""
+        """The tokenizer's grammar compiler, built once on first use unless given to the constructor.
+        Thread-safe. Its build holds the GIL throughout (~0.45 s, llguidance's LLTokenizer), so even on a
+        worker thread it would pause the engine thread's Python for as long: build_engine builds it at
+        start, beside the self-test (docs/architecture.md, "Admission")."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.decoder.arch.vocab_size)
             return self._grammars
+
+    def compile(self, constraint: Constraint) -> TokenMatcher:
+        """A fresh matcher for `constraint` (building the compiler first if need be). Touches no session:
+        any thread may call it, and AsyncEngine does on a worker thread, beside the step. Raises
+        InvalidRequest for a grammar that does not compile."""
+        return self.grammars().matcher(constraint)
 
     @property
     def has_grammars(self) -> bool:

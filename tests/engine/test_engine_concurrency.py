@@ -1,7 +1,7 @@
 """Nothing slow under the admission lock or on the engine thread, on the real engine: a slow Redis
 flush runs beside the engine while another tenant's tokens stream; the first constrained request's
 grammar compiler is built off the engine thread and `health()` never waits for it or for queueing a
-request; a request arriving as the engine dies ends at once instead of hanging."""
+request; a request's grammar compiles beside the steps, which go on a token a step; a request arriving as the engine dies ends at once instead of hanging."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from prefixserve.cache import PrefixCache
 from prefixserve.cache.entry import FlushResult
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
-from prefixserve.engine.grammar import GrammarCompiler
+from prefixserve.engine.grammar import GrammarCompiler, build_beside
 from prefixserve.types import (
     Constraint,
     FinishReason,
@@ -120,10 +120,10 @@ def test_the_first_constrained_request_and_queueing_never_block_health(monkeypat
     monkeypatch.setattr(GrammarCompiler, "for_tokenizer", classmethod(slow_build))
     real_add = engine.core.add
 
-    def slow_add(req: Request) -> None:
+    def slow_add(req: Request, matcher: Any = None) -> None:
         if req.namespace.tenant_id == "slow":
             time.sleep(1.0)
-        real_add(req)
+        real_add(req, matcher)
 
     monkeypatch.setattr(engine.core, "add", slow_add)
 
@@ -161,6 +161,86 @@ def test_the_first_constrained_request_and_queueing_never_block_health(monkeypat
     assert built_on and built_on[0] != "prefixserve-engine"
     assert worst_build < 0.2 and worst_add < 0.2 and submit_s < 0.2, (worst_build, worst_add, submit_s)
     assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in [*finals, slow_final])
+
+
+def test_the_compiler_is_built_on_a_thread_of_its_own() -> None:
+    """build_engine's start-up build (engine/grammar.py build_beside): a compiler, built off the calling
+    thread; None for a tokenizer that can have none (the first constrained request reports it)."""
+    model = load_embedded("int4")[0]
+    threads: list[str] = []
+    real_init = GrammarCompiler.__init__
+
+    def init(self: GrammarCompiler, hf: Any, vocab_size: int) -> None:
+        threads.append(threading.current_thread().name)
+        real_init(self, hf, vocab_size)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(GrammarCompiler, "__init__", init)
+        compiler = build_beside(model.tokenizer, model.arch.vocab_size)()
+    assert isinstance(compiler, GrammarCompiler) and threads == ["prefixserve-grammar-build"]
+    assert compiler.matcher(Constraint("json_object")).allowed().shape == (model.arch.vocab_size,)
+    assert build_beside(object(), model.arch.vocab_size)() is None
+
+
+def test_a_constrained_requests_grammar_compiles_beside_the_steps(monkeypatch: Any) -> None:
+    """The compiler exists (build_engine builds it at start: its build holds the GIL, so from any thread
+    it would pause the engine); the request's grammar compiles on a worker thread. Here the compile is
+    held until another tenant's stream has had 5 more tokens: compiled inside the engine's turn, that
+    stream would stop. Counted in steps, that stream gets exactly one token in every step from its
+    first to its last, before, while and after the constrained request joins the batch."""
+    engine = make_engine()
+    engine.core.grammars()  # as build_engine does at start
+    real_matcher = GrammarCompiler.matcher
+    release = threading.Event()
+    compiled_on: list[str] = []
+
+    def held_matcher(self: GrammarCompiler, constraint: Constraint) -> Any:
+        compiled_on.append(threading.current_thread().name)
+        assert release.wait(120), "the other stream stopped while the grammar compiled"
+        return real_matcher(self, constraint)
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", held_matcher)
+    tokens_in: list[tuple[int, str, int]] = []  # (step, request id, tokens) of each delta the engine emits
+    real_emit = engine.core.emit
+
+    def emit(rid: str, delta: Any) -> None:
+        tokens_in.append((engine.core.counters.num_steps, rid, len(delta.token_ids)))
+        real_emit(rid, delta)
+
+    engine.core.emit = emit
+    other, constrained = request("b", 40), request("a", 12, Constraint("json_object"))
+
+    async def last(req: Request) -> Any:
+        final = None
+        async for d in engine.generate(req):
+            final = d
+        return final
+
+    async def go() -> tuple[int, Any, Any]:
+        stream = engine.generate(other)
+        await stream.__anext__()
+        joined = asyncio.ensure_future(last(constrained))
+        while not compiled_on:
+            await asyncio.sleep(0.01)
+        during = 0
+        for _ in range(5):  # the compile is held meanwhile
+            during += len((await asyncio.wait_for(stream.__anext__(), 60)).token_ids)
+        release.set()
+        final = None
+        async for d in stream:
+            final = d
+        result = await joined
+        await engine.shutdown()
+        return during, final, result
+
+    during, final, result = asyncio.run(go())
+    assert compiled_on and compiled_on[0] != "prefixserve-engine"
+    assert during == 5
+    assert final.finish_reason is FinishReason.LENGTH and result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    steps = [step for step, rid, n in tokens_in if rid == other.request_id for _ in range(n)]
+    assert steps == list(range(steps[0], steps[0] + 40))  # one token a step: no step without one
+    batched = {step for step, rid, n in tokens_in if rid == constrained.request_id and n}
+    assert batched and batched <= set(steps)  # the constrained request ran in the same steps
 
 
 @pytest.mark.parametrize("die_first", [True, False])

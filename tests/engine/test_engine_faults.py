@@ -95,10 +95,10 @@ def test_inbox_and_abort_faults_stay_local(monkeypatch):
     ps = prompts()
     real_add, real_abort = engine.core.add, engine.core.abort
 
-    def add(req):
+    def add(req, matcher=None):
         if req.request_id == "refused":
             raise RuntimeError("injected fault in add")
-        return real_add(req)
+        return real_add(req, matcher)
 
     def abort(rid):
         real_abort(rid)
