@@ -32,7 +32,7 @@ test: install redis-server
 
 # The suite with torch and the native kernels held to AVX2 + FMA (an AMD Zen 3's set) on a wider CPU
 # (docs/exactness.md, "Every CPU class"); a new build of the kernels, and the kernel choice timed anew.
-AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PREFIXSERVE_NATIVE_ISA=avx2
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PREFIXSERVE_NATIVE_ISA=avx2
 test-avx2: install redis-server
 	$(AVX2_ENV) $(PY) -m pytest -q tests
 

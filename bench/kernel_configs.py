@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} {name:>10}: TTFT {ttft} ms, decode {tps:.1f} tok/s", flush=True)
     d_ttft, d_tps = best["default"]
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
-    isa = {k: v for k, v in os.environ.items() if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "PREFIXSERVE_NATIVE_ISA")}
+    isa = {k: v for k, v in os.environ.items() if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PREFIXSERVE_NATIVE_ISA")}
     rows = [f"CPU: {model}; {os.cpu_count()} CPUs; emulation: {isa or 'none'}; {args.rounds} rounds, best of each",
             "", "| configuration | cold TTFT (ms) | vs default | decode (tok/s) | vs default | self-test |",
             "|---|--:|--:|--:|--:|---|"]

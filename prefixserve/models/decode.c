@@ -27,6 +27,9 @@
 
 void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
              float *out, int64_t ldo);
+void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq);
+void qmatmul_x(const int8_t *xq, const float *xd, const float *xs, int64_t n, int64_t K, int kind,
+               const uint8_t *q, int64_t o0, int64_t o1, float *out, int64_t ldo);
 int amx_matmul(const void *x, int x_f32, int64_t M, int64_t ldx, int64_t K, const uint16_t *w, const float *bias,
                int64_t o0, int64_t o1, void *out, int out_f32, int64_t ldo);
 
@@ -364,9 +367,31 @@ typedef struct {
     float *scores, *den;                     /* [n][heads][stride], [n][heads] */
     float *parts;                            /* [n][heads][stride / PV_SEG rounded up][hd]: P.V stretches' sums */
     int64_t stride;
+    int q8x;      /* decode rows' matmuls on int8 activations (qmatmul.c `qmatmul_x`) */
+    int8_t *xq;   /* [T][n][max(hidden, inter)]: each member's quantized rows */
+    float *xqd;   /* [T][2][n][max(hidden, inter) / 32]: their scales, then their sums */
     barrier_t bar;
     atomic_int failed; /* amx.c could not have its staging buffer */
 } step_t;
+
+/* out[:, o0:o1] = x W^T for pack i of layer weights w (w NULL: the logits' weight): `matmul`, or, in a
+ * decode step with q8x, qmatmul_x on x quantized into member t's own buffers */
+static int mm(step_t *s, int t, const int64_t *w, int i, const float *x, int64_t ldx, int64_t K, int64_t o0,
+              int64_t o1, float *out, int64_t ldo) {
+    int64_t n = s->n;
+    if (!s->q8x || (w && w[W_KINDS] >> (4 + i) & 1)) {
+        if (w) return matmul(w, i, x, n, ldx, K, o0, o1, out, ldo);
+        qmatmul(x, n, ldx, K, (int)s->head_kind, s->head, o0, o1, out, ldo);
+        return 0;
+    }
+    int64_t wide = s->hidden > s->inter ? s->hidden : s->inter;
+    int8_t *xq = s->xq + (int64_t)t * n * wide;
+    float *d = s->xqd + (int64_t)t * 2 * n * (wide / 32), *sq = d + n * (wide / 32);
+    quantize_q8x(x, n, ldx, K, xq, d, sq);
+    qmatmul_x(xq, d, sq, n, K, w ? (int)(w[W_KINDS] >> i & 1) : (int)s->head_kind, w ? (const uint8_t *)w[W_QKV + i] : s->head,
+              o0, o1, out, ldo);
+    return 0;
+}
 
 /* h += tmp over the outputs [o0, o1) this member computed */
 static void residual(step_t *s, int64_t o0, int64_t o1) {
@@ -441,7 +466,7 @@ static void front(step_t *s, int64_t l, int t, int T, int *local) {
     const float *qn = (const float *)w[W_Q_NORM], *kn = (const float *)w[W_K_NORM], *bias = (const float *)w[W_QKV_BIAS];
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_ATTN_NORM], d, s->eps, x + r * d);
     share(nqkv, t, T, &o0, &o1);
-    if (matmul(w, 0, x, n, d, d, o0, o1, s->qkv, nqkv)) atomic_store(&s->failed, 1);
+    if (mm(s, t, w, 0, x, d, d, o0, o1, s->qkv, nqkv)) atomic_store(&s->failed, 1);
     barrier(&s->bar, local, T);
     for (int64_t task = t; task < n * kvh; task += T) {
         int64_t r = task / kvh, g = task % kvh;
@@ -481,13 +506,13 @@ static void back(step_t *s, int64_t l, int t, int T, int *local) {
     int64_t o0, o1;
     const int64_t *w = s->w + l * W_PER_LAYER;
     share(d, t, T, &o0, &o1);
-    if (matmul(w, 1, s->attn, n, qs, qs, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
+    if (mm(s, t, w, 1, s->attn, qs, qs, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
     residual(s, o0, o1);
     barrier(&s->bar, local, T);
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
     share(inter, t, T, &o0, &o1);
-    if (matmul(w, 2, x, n, d, d, o0, o1, s->gu, 2 * inter) ||
-        matmul(w, 2, x, n, d, d, inter + o0, inter + o1, s->gu, 2 * inter))
+    if (mm(s, t, w, 2, x, d, d, o0, o1, s->gu, 2 * inter) ||
+        mm(s, t, w, 2, x, d, d, inter + o0, inter + o1, s->gu, 2 * inter))
         atomic_store(&s->failed, 1);
     for (int64_t r = 0; r < n; r++)
         for (int64_t i = o0; i < o1; i += 16) {
@@ -496,7 +521,7 @@ static void back(step_t *s, int64_t l, int t, int T, int *local) {
         }
     barrier(&s->bar, local, T);
     share(d, t, T, &o0, &o1);
-    if (matmul(w, 3, s->act, n, inter, inter, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
+    if (mm(s, t, w, 3, s->act, inter, inter, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
     residual(s, o0, o1);
     barrier(&s->bar, local, T);
 }
@@ -507,7 +532,7 @@ static void logits(step_t *s, int t, int T) {
     float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, x + r * d);
     share(s->vocab_pad, t, T, &o0, &o1);
-    qmatmul(x, n, d, d, (int)s->head_kind, s->head, o0, o1, s->y, s->vocab_pad);
+    mm(s, t, NULL, 0, x, d, d, o0, o1, s->y, s->vocab_pad);
 }
 
 static void step_task(void *p, int t, int T) {
@@ -521,7 +546,8 @@ static void step_task(void *p, int t, int T) {
     logits(s, t, T);
 }
 
-/* dims: n, hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head_kind;
+/* dims: n, hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head_kind, q8x (1: the
+ * matmuls on int8 activations, qmatmul.c `qmatmul_x`);
  * returns the threads used, or -1 when out of memory. Shapes are the caller's to check: hidden,
  * intermediate, heads * head_dim multiples of 32, head_dim of 16, head_dim <= 512, heads / kv_heads <= 32,
  * every matmul's outputs (and vocab_pad) a multiple of 16. */
@@ -531,7 +557,7 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     step_t s;
     memset(&s, 0, sizeof s);
     s.n = dims[0], s.hidden = dims[1], s.heads = dims[2], s.kv_heads = dims[3], s.hd = dims[4];
-    s.inter = dims[5], s.layers = dims[6], s.vocab_pad = dims[7], s.head_kind = dims[8];
+    s.inter = dims[5], s.layers = dims[6], s.vocab_pad = dims[7], s.head_kind = dims[8], s.q8x = (int)dims[9];
     s.eps = eps, s.scale = scale, s.w = w, s.final_norm = final_norm, s.head = head;
     s.h = h, s.pos = pos, s.cs = cs, s.sn = sn, s.kv = kv, s.y = y;
     int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
@@ -541,7 +567,8 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     s.stride = (maxpos + 16) / 16 * 16 + 16;
     float *buf = aligned_alloc(64, (size_t)(n * (nqkv + 2 * qs + 3 * s.inter + s.hidden + s.heads * (s.stride + 1) +
                                                  s.heads * pv_segs(s.stride) * s.hd) +
-                                            T * n * wide) * sizeof(float) + 64);
+                                            T * n * wide + (s.q8x ? T * n * wide / 4 + 2 * T * n * (wide / 32) : 0)) *
+                                           sizeof(float) + 64);
     if (!buf) return -1;
     float *p = buf;
     s.qkv = p, p += n * nqkv;
@@ -554,6 +581,10 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
     s.den = p, p += n * s.heads;
     s.parts = p, p += n * s.heads * pv_segs(s.stride) * s.hd;
     s.xs = p, p += T * n * wide;
+    if (s.q8x) {
+        s.xqd = p, p += 2 * T * n * (wide / 32);
+        s.xq = (int8_t *)p;  /* T n wide bytes: T n wide / 4 floats (wide a multiple of 32) */
+    }
     /* run_team settles the member count before any member starts (fewer where a worker could not be
      * created), so every barrier waits for the members that run */
     T = run_team(step_task, &s, T);

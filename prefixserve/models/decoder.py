@@ -91,6 +91,10 @@ class Decoder:
         # whose bits differ from prefill's (still batch-invariant); the engine re-derives the KV of
         # decoded tokens by prefill before it caches them
         self.int4_decode = False
+        # 4-bit decode rows' matmuls on activations rounded to int8 per 32 inputs (qmatmul.c `qmatmul_x`,
+        # llama.cpp's kind of dot product): faster where the CPU lacks AVX-512; chosen by timing
+        # (models/kernel_choice.py)
+        self.decode_int8 = False
         self.dtype = embed.dtype
         self.device = embed.device
         inv_freq = 1.0 / (
@@ -119,8 +123,9 @@ class Decoder:
 
     @property
     def decode_kernel(self) -> str:
-        """"int4" or "dense": what decode rows run (`--decode-kernel`, /health)."""
-        return "int4" if self.int4_decode else "dense"
+        """"int4", "int4-i8" (on int8 activations) or "dense": what decode rows run (`--decode-kernel`,
+        /health)."""
+        return ("int4-i8" if self.decode_int8 else "int4") if self.int4_decode else "dense"
 
     def kernel_fingerprint(self) -> str:
         """Everything of the runtime's own choices that changes a state's bits (dtype, device, decode
@@ -183,7 +188,7 @@ class Decoder:
         for lw in self.layers:
             lw.qkv_q4 = lw.o_q4 = lw.gate_up_q4 = lw.down_q4 = None
         self.lm_head_q4 = None
-        self.int4_decode = False
+        self.int4_decode = self.decode_int8 = False
         self._native_plan = None
         if self.prefill_q4:  # prefill loses its 4-bit packs: fp32 copies of the dense weights instead
             self.prefill_q4 = False

@@ -14,12 +14,18 @@ times each candidate here, on the machine that runs it, and keeps the fastest:
 - attention of the torch-tiled modes ("fp32", "bf16"): the native kernel (attention.c) or torch's
   fixed blocks, timed on one prefill tile over `ATTENTION_KEYS` keys. ("amx" and "q4" attend inside
   their native layer call.)
+- the 4-bit decode step's activations (`DECODES`, where the model decodes on its 4-bit weights):
+  "fp32" (qmatmul.c's fp32 dot products) or "int8" (rows rounded to int8 per 32 inputs, integer dot
+  products: `qmatmul_x`), timed on `DECODE_STEPS` steps of one session at `DECODE_POSITION`. Decoded
+  tokens' KV is never cached, so either keeps cached prefixes exact; the two give different logits
+  (int8 is llama.cpp's kind of arithmetic), and the kernel fingerprint names the one in force.
 
 The candidates are timed on one thread, and the verdict is remembered in
 `$XDG_CACHE_HOME/prefixserve/kernel-choice.json` under a key of what the timings depend on (native
 build, torch build and dispatch level, model shapes), with a lock around timing and writing, so every
 process on this machine makes the same choice whatever its thread settings (one kernel fingerprint
-for the cache tiers) and later starts skip the timing. PREFIXSERVE_DENSE_MATMUL other than auto decides without timing.
+for the cache tiers) and later starts skip the timing. PREFIXSERVE_DENSE_MATMUL other than auto decides the
+prefill matmuls without timing, PREFIXSERVE_DECODE_ACTIVATIONS (auto, fp32, int8) the decode step's.
 """
 
 from __future__ import annotations
@@ -50,7 +56,10 @@ MATMULS = ("amx", "q4", "fp32", "bf16")
 PROBE_TOKENS = 64
 PROBE_LAYERS = 4
 ATTENTION_KEYS = 512
-FORMAT = 1
+DECODES = ("fp32", "int8")
+DECODE_STEPS = 8
+DECODE_POSITION = 256
+FORMAT = 2
 MAX_RECORDS = 32
 
 
@@ -60,29 +69,32 @@ class KernelChoice:
     attention: str  # "native" or "torch"
     # seconds of each candidate's timed call: "matmul:q4", "attention:native", ...; {} where a flag decided
     seconds: dict[str, float] = field(default_factory=dict)
+    decode: str = "fp32"  # one of DECODES: the 4-bit decode step's activations
     remembered: bool = False  # read from the memo file, not timed by this process
 
     def describe(self) -> str:
         """One line for the start-up log and /health: what was chosen and what it beat, by how much."""
         if not self.seconds:
-            return f"prefill matmuls {self.matmul}, attention {self.attention} (set, not timed)"
+            return (f"prefill matmuls {self.matmul}, attention {self.attention}, decode activations {self.decode} "
+                    "(set, not timed)")
         parts = []
-        for group, won in (("matmul", self.matmul), ("attention", self.attention)):
+        for group, won in (("matmul", self.matmul), ("attention", self.attention), ("decode", self.decode)):
             times = {k.split(":", 1)[1]: v for k, v in self.seconds.items() if k.startswith(group + ":")}
             if won not in times:
                 continue
             best = times[won]
             beaten = ", ".join(f"{name} {v / best:.2f}x" for name, v in sorted(times.items(), key=lambda kv: kv[1])
                                if name != won)
-            unit = (f"{PROBE_LAYERS} layers of a {PROBE_TOKENS}-token prefill" if group == "matmul"
-                    else f"tile over {ATTENTION_KEYS} keys")
+            unit = {"matmul": f"{PROBE_LAYERS} layers of a {PROBE_TOKENS}-token prefill",
+                    "attention": f"tile over {ATTENTION_KEYS} keys",
+                    "decode": f"step at position {DECODE_POSITION}"}[group]
             parts.append(f"{group} {won} {best * 1e3:.1f} ms a {unit}" + (f" (beat {beaten})" if beaten else ""))
         how = "remembered" if self.remembered else "timed here"
         return f"kernels chosen by timing ({how}): " + "; ".join(parts)
 
 
 def fastest(seconds: Mapping[str, float], group: str) -> str:
-    """The candidate of `group` ("matmul" or "attention") with the least time; ties go to the earlier
+    """The candidate of `group` ("matmul", "attention" or "decode") with the least time; ties go to the earlier
     key. Pure: the choosing logic, tested with given timings."""
     times = [(v, i, k.split(":", 1)[1]) for i, (k, v) in enumerate(seconds.items()) if k.startswith(group + ":")]
     if not times:
@@ -99,22 +111,50 @@ def choose(dec: Decoder, memo_dir: str | None = None) -> KernelChoice:
     with _locked(path):  # one process times, the others wait and read its verdict
         records = _read(path)
         if (hit := records.get(key)) is not None:
-            choice = KernelChoice(hit["matmul"], hit["attention"], dict(hit["seconds"]), remembered=True)
+            choice = KernelChoice(hit["matmul"], hit["attention"], dict(hit["seconds"]), hit["decode"],
+                                  remembered=True)
         else:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # one verdict per machine, whatever a process's thread settings
             try:
                 seconds = _time_candidates(dec, candidates)
+                if decode_wanted(dec) == "auto":
+                    seconds.update(_time_decodes(dec))
             finally:
                 torch.set_num_threads(threads)
-            choice = KernelChoice(fastest(seconds, "matmul"),
-                                  fastest(seconds, "attention") if any(k.startswith("attention:") for k in seconds)
-                                  else "native", seconds)
-            records[key] = {"matmul": choice.matmul, "attention": choice.attention, "seconds": seconds,
-                            "at": time.time()}
+
+            def pick(group: str, default: str) -> str:
+                return fastest(seconds, group) if any(k.startswith(group + ":") for k in seconds) else default
+
+            choice = KernelChoice(fastest(seconds, "matmul"), pick("attention", "native"), seconds,
+                                  pick("decode", "fp32"))
+            records[key] = {"matmul": choice.matmul, "attention": choice.attention, "decode": choice.decode,
+                            "seconds": seconds, "at": time.time()}
             _write(path, records)
     apply(dec, choice.matmul, choice.attention)
+    wanted = decode_wanted(dec)
+    apply_decode(dec, choice.decode if wanted == "auto" else wanted)
     return choice
+
+
+def decode_wanted(dec: Decoder) -> str:
+    """PREFIXSERVE_DECODE_ACTIVATIONS (auto, fp32 or int8); "fp32" where the model has no native 4-bit
+    decode step to run either on."""
+    wanted = os.environ.get("PREFIXSERVE_DECODE_ACTIVATIONS", "auto")
+    if wanted not in ("auto", *DECODES):
+        raise ValueError(f"PREFIXSERVE_DECODE_ACTIVATIONS must be auto, fp32 or int8, not {wanted!r}")
+    from prefixserve.models import native_decode
+
+    dec._native_plan = False
+    return wanted if dec.int4_decode and native_decode.plan_for(dec) is not None else "fp32"
+
+
+def apply_decode(dec: Decoder, activations: str) -> None:
+    """The 4-bit decode step on fp32 or int8 activations (DECODES)."""
+    if activations not in DECODES:
+        raise ValueError(f"unknown decode activations {activations!r}")
+    dec.decode_int8 = activations == "int8" and dec.int4_decode
+    dec._native_plan = False  # made again with the flag
 
 
 @contextmanager
@@ -167,6 +207,37 @@ def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
             for how in ("native", "torch"):
                 seconds.setdefault(f"attention:{how}", _time_attention(dec, how))
         base.restore(dec)
+    return seconds
+
+
+def _time_decodes(dec: Decoder) -> dict[str, float]:
+    """Seconds of one native decode step of one session at DECODE_POSITION on one thread, per DECODES
+    candidate: the best of DECODE_STEPS after a warm-up step."""
+    from prefixserve.models import native_decode
+    from prefixserve.models.decoder import Segment
+
+    a = dec.arch
+    kv = torch.zeros(a.num_layers, 2, a.num_kv_heads, DECODE_POSITION + 16, a.head_dim, dtype=dec.dtype)
+    token = torch.tensor([7919 % a.vocab_size], dtype=torch.long)
+    seconds: dict[str, float] = {}
+    was = dec.decode_int8
+    try:
+        for name in DECODES:
+            apply_decode(dec, name)
+            plan = native_decode.plan_for(dec)
+            if plan is None:
+                return {}
+            best = math.inf
+            for i in range(DECODE_STEPS + 1):
+                t0 = time.perf_counter()
+                if native_decode.decode_rows(dec, plan, token, [Segment(DECODE_POSITION, 1, kv, decode=True)], 1) is None:
+                    return {}
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+            seconds[f"decode:{name}"] = best
+    finally:
+        dec.decode_int8 = was
+        dec._native_plan = False
     return seconds
 
 
@@ -240,7 +311,7 @@ class _Saved:
 def _key(dec: Decoder, candidates: list[str]) -> str:
     a = dec.arch
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("ATEN_", "ONEDNN_", "DNNL_", "MKL_", "OMP_",
-                                                                         "PREFIXSERVE_NATIVE"))}
+                                                                         "PREFIXSERVE_NATIVE", "PREFIXSERVE_DECODE"))}
     parts = [FORMAT, native.digest() if native.library() is not None else "no-native", torch.__version__,
              hashlib.blake2b(torch.__config__.show().encode(), digest_size=8).hexdigest(),
              torch.backends.cpu.get_cpu_capability(), os.cpu_count(), env, candidates,

@@ -147,7 +147,10 @@ def _widened(m: LoadedModel) -> LoadedModel:
     dec = m.decoder
     choice = _dense_matmul_choice()
     if choice == "auto" and dec.dtype == torch.bfloat16 and dec.device.type == "cpu" and _timeable(dec):
-        picked = kernel_choice.choose(dec)
+        try:
+            picked = kernel_choice.choose(dec)
+        except ValueError as e:  # a PREFIXSERVE_DECODE_ACTIVATIONS the choice does not know
+            raise ModelLoadError(str(e)) from e
         dec.kernel_choice = picked.describe()
         log.info("%s", dec.kernel_choice)
     elif fp32_matmuls_wanted(dec.dtype, dec.device.type):
@@ -155,6 +158,11 @@ def _widened(m: LoadedModel) -> LoadedModel:
     elif (choice in ("auto", "amx") and dec.device.type == "cpu"
           and amx_tiles.attach(dec) == 0 and choice == "amx"):
         raise ModelLoadError("PREFIXSERVE_DENSE_MATMUL=amx needs a bf16 model on a CPU with AMX (and the native kernels)")
+    if not dec.kernel_choice and dec.dtype == torch.bfloat16 and dec.device.type == "cpu":
+        try:  # not timed: int8 decode activations only where PREFIXSERVE_DECODE_ACTIVATIONS asks for them
+            kernel_choice.apply_decode(dec, "int8" if kernel_choice.decode_wanted(dec) == "int8" else "fp32")
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
     return m
 
 

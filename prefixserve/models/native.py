@@ -15,7 +15,8 @@ machine tests the code every CPU class runs (docs/exactness.md, "Every CPU class
 default: all the CPU has), `avx512` (no AMX: an AMD Zen 4's set), `avx2` (x86-64-v3: AVX2 + FMA, an
 AMD Zen 3's set), `generic` (x86-64-v2: simd.h's plain C). `effective_flags()` is the CPU's flags
 less what the level leaves out; the loader reads bf16 arithmetic from it. Torch is held to the same
-level by its own variables (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2).
+level by its own variables (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2:
+without the last, torch's fp32 matmuls still run MKL's AVX-512 kernels).
 
 -ffp-contract=off: every fused multiply-add in the source is one it writes, never one the compiler
 chose per call site, so two inlined copies of a loop cannot round differently (docs/exactness.md).
@@ -205,6 +206,27 @@ def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor,
         raise ValueError(f"qmatmul: shapes x {tuple(x.shape)}, weight {tuple(packed.shape)}, out {tuple(out.shape)}")
     return int(lib.qmatmul_team(x.data_ptr(), n, x.stride(0), k, kind, packed.data_ptr(), rows, out.data_ptr(),
                                 out.stride(0), ways))
+
+
+def qmatmul_int8(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor) -> None:
+    """`qmatmul` on x rounded to int8 per 32 inputs (qmatmul.c `quantize_q8x` + `qmatmul_x`: the
+    4-bit decode step's arithmetic on int8 activations), on the calling thread."""
+    import torch
+
+    lib = library()
+    assert lib is not None
+    n, k = x.shape
+    rows = packed.shape[0] * 4
+    if x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous() or out.stride(1) != 1:
+        raise ValueError("qmatmul_int8: contiguous fp32 rows expected")
+    if k != packed.shape[1] * 32 or out.shape[0] != n or out.shape[1] < rows:
+        raise ValueError(f"qmatmul_int8: shapes x {tuple(x.shape)}, weight {tuple(packed.shape)}, out {tuple(out.shape)}")
+    xq = torch.empty(n, k, dtype=torch.int8)
+    d, sq = torch.empty(n, k // 32), torch.empty(n, k // 32)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.quantize_q8x(p(x.data_ptr()), i64(n), i64(k), i64(k), p(xq.data_ptr()), p(d.data_ptr()), p(sq.data_ptr()))
+    lib.qmatmul_x(p(xq.data_ptr()), p(d.data_ptr()), p(sq.data_ptr()), i64(n), i64(k), ctypes.c_int(kind),
+                  p(packed.data_ptr()), i64(0), i64(rows), p(out.data_ptr()), i64(out.stride(0)))
 
 
 def amx_ready() -> bool:

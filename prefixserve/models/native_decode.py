@@ -36,7 +36,9 @@ W_QKV, W_KINDS = 5, 9  # decode.c: a layer's first pack (qkv, o, gate_up, down f
 
 @dataclass(slots=True)
 class DecodePlan:
-    dims: list[int]  # hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head kind
+    # hidden, heads, kv_heads, head_dim, intermediate, layers, vocab_pad, head kind, decode rows on int8
+    # activations (decode.c `q8x`)
+    dims: list[int]
     weights: torch.Tensor  # int64 [layers, 10]: decode.c's W_* addresses
     keep: list[torch.Tensor]  # the fp32 vectors those addresses point into
     # prompt rows' weights where they differ from decode rows': the amx.c packs (models/amx_tiles.py)
@@ -87,7 +89,7 @@ def plan_for(dec: Decoder) -> DecodePlan | None:
         rows.append([vec(lw.attn_norm), vec(lw.mlp_norm), vec(lw.q_norm), vec(lw.k_norm), vec(lw.qkv_bias),
                      *(address for address, _ in got), kinds])
     dims = [a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size, a.num_layers, head.rows,
-            head.native_kind]
+            head.native_kind, int(dec.decode_int8)]
     final = dec.final_norm.detach().float().contiguous()
     weights = torch.tensor(rows, dtype=torch.int64)
     return DecodePlan(dims, weights, keep, _amx_weights(dec, weights), final, head.native, a.vocab_size,

@@ -178,3 +178,166 @@ void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const 
         }
     }
 }
+
+/* ---- int8 activations: decode rows (decode.c with `q8x`; docs/exactness.md, "Decode") ----
+ * A row x of K inputs becomes, per group g of 32: d = amax / 127, q_i = nearbyint(x_i * (1 / d))
+ * (all 0 when amax is 0), sq = d * sum(q). An output o then is, with lanes l = 0..3 each holding the
+ * elements 4l..4l+3 and 16+4l..16+4l+3 of a group (an exact integer sum):
+ *   Q4: acc_l = fma((float)sum(c_e q_e), scale_g * d_g, acc_l), b = fma(bias_g, sq_g, b), groups in
+ *       order; y = ((acc_0 + acc_2) + (acc_1 + acc_3)) + b
+ *   Q8: the same acc with the signed codes and scale_g; y = (acc_0 + acc_2) + (acc_1 + acc_3)
+ * The integer sums are exact and the float steps one rounding each, so AVX2 (maddubs + madd), AVX-512
+ * VNNI (dpbusd: the same integers) and plain C (below) give the same bits; llama.cpp's 4-bit x 8-bit
+ * dot products do the same kind of arithmetic. */
+
+/* x [n] rows ldx apart -> q [n][K] int8, d and sq [n][K / 32] */
+void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq) {
+    int64_t groups = K / 32;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * ldx + g * 32;
+            int8_t *qg = q + r * K + g * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
+            float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) {
+                float v = xg[i] * id;
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f));
+                int c = (int)nearbyintf(v);
+                qg[i] = (int8_t)c;
+                sum += c;
+            }
+            d[r * groups + g] = dd;
+            sq[r * groups + g] = dd * (float)sum;
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* lane l (of 8): the sum of the 4 products of bytes 4l..4l+3, u unsigned, s signed (no int16
+ * saturation: |u| <= 128, |s| <= 127) */
+static inline __m256i dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+/* (a0 + a2) + (a1 + a3) */
+static inline float hsum4(__m128 a) {
+    __m128 t = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+static inline __attribute__((always_inline)) void block_x(int R, int q8, const int8_t *xq, int64_t K,
+                                                          const float *xd, const float *xs, const uint8_t *q,
+                                                          float *out, int64_t ldo) {
+    __m256 acc[4][2]; /* [row][pair p]: lanes 0-3 output 2p, 4-7 output 2p + 1 */
+    __m128 bacc[4];   /* [row]: the 4 outputs' bias terms */
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), bacc[r] = _mm_setzero_ps();
+    const __m256i m = _mm256_set1_epi8(15);
+    int64_t groups = K / 32;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
+        const float *scale = (const float *)(p + (q8 ? 128 : 64));
+        __builtin_prefetch(p + PREFETCH);
+        __builtin_prefetch(p + PREFETCH + 64);
+        if (q8) __builtin_prefetch(p + PREFETCH + 128);
+        __m256i lo[2], hi[2], c[OB], a[OB];
+        if (q8) {
+            for (int j = 0; j < OB; j++) {
+                c[j] = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+                a[j] = _mm256_abs_epi8(c[j]);
+            }
+        } else {
+            for (int pr = 0; pr < 2; pr++) { /* outputs 2pr, 2pr + 1: codes 0..15 of each in lo, 16..31 in hi */
+                __m256i b = _mm256_loadu_si256((const __m256i *)(p + 32 * pr));
+                lo[pr] = _mm256_and_si256(b, m);
+                hi[pr] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+            }
+        }
+        __m128 sc = _mm_loadu_ps(scale);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + r * K + g * 32;
+            __m128 sd = _mm_mul_ps(sc, _mm_set1_ps(xd[r * groups + g]));
+            __m256 sdp[2] = {_mm256_set_m128(_mm_shuffle_ps(sd, sd, 0x55), _mm_shuffle_ps(sd, sd, 0x00)),
+                             _mm256_set_m128(_mm_shuffle_ps(sd, sd, 0xFF), _mm_shuffle_ps(sd, sd, 0xAA))};
+            __m256i s[2];
+            if (q8) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)xr), pj[OB];
+                for (int j = 0; j < OB; j++) pj[j] = dot4(a[j], _mm256_sign_epi8(x, c[j]));
+                for (int pr = 0; pr < 2; pr++)
+                    s[pr] = _mm256_add_epi32(_mm256_permute2x128_si256(pj[2 * pr], pj[2 * pr + 1], 0x20),
+                                             _mm256_permute2x128_si256(pj[2 * pr], pj[2 * pr + 1], 0x31));
+            } else {
+                __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xr));
+                __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xr + 16)));
+                for (int pr = 0; pr < 2; pr++) s[pr] = _mm256_add_epi32(dot4(lo[pr], xl), dot4(hi[pr], xh));
+                bacc[r] = _mm_fmadd_ps(_mm_loadu_ps(scale + 4), _mm_set1_ps(xs[r * groups + g]), bacc[r]);
+            }
+            for (int pr = 0; pr < 2; pr++) acc[r][pr] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[pr]), sdp[pr], acc[r][pr]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float b[4];
+        _mm_storeu_ps(b, bacc[r]);
+        for (int j = 0; j < OB; j++) {
+            __m256 v = acc[r][j / 2];
+            float y = hsum4(j % 2 ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v));
+            out[r * ldo + j] = q8 ? y : y + b[j];
+        }
+    }
+}
+#else
+static inline void block_x(int R, int q8, const int8_t *xq, int64_t K, const float *xd, const float *xs,
+                           const uint8_t *q, float *out, int64_t ldo) {
+    int64_t groups = K / 32;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < OB; j++) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, b = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *p = q + g * (q8 ? Q8_BYTES : Q4_BYTES);
+                const float *scale = (const float *)(p + (q8 ? 128 : 64));
+                const int8_t *xr = xq + r * K + g * 32;
+                float sd = scale[j] * xd[r * groups + g];
+                for (int l = 0; l < 4; l++) {
+                    int s = 0;
+                    for (int h = 0; h < 2; h++)
+                        for (int k = 0; k < 4; k++) {
+                            int e = 16 * h + 4 * l + k;
+                            int c = q8 ? (int)((const int8_t *)p)[32 * j + e]
+                                       : (h ? p[16 * j + e - 16] >> 4 : p[16 * j + e] & 15);
+                            s += c * xr[e];
+                        }
+                    acc[l] = fmaf((float)s, sd, acc[l]);
+                }
+                if (!q8) b = fmaf(scale[4 + j], xs[r * groups + g], b);
+            }
+            float y = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+            out[r * ldo + j] = q8 ? y : y + b;
+        }
+}
+#endif
+
+/* qmatmul's outputs [o0, o1) from rows quantized by quantize_q8x (q [n][K], d and sq [n][K / 32]) */
+void qmatmul_x(const int8_t *xq, const float *xd, const float *xs, int64_t n, int64_t K, int kind,
+               const uint8_t *q, int64_t o0, int64_t o1, float *out, int64_t ldo) {
+    int q8 = kind == 1;
+    int64_t bb = K / 32 * (q8 ? Q8_BYTES : Q4_BYTES), groups = K / 32;
+    for (int64_t o = o0; o < o1; o += OB) {
+        const uint8_t *qo = q + o / OB * bb;
+        for (int64_t r = 0; r < n; r += 4) {
+            int R = n - r < 4 ? (int)(n - r) : 4;
+            const int8_t *xr = xq + r * K;
+            const float *dr = xd + r * groups, *sr = xs + r * groups;
+            float *yr = out + r * ldo + o;
+            if (q8) {
+                if (R == 4) block_x(4, 1, xr, K, dr, sr, qo, yr, ldo); else if (R == 3) block_x(3, 1, xr, K, dr, sr, qo, yr, ldo);
+                else if (R == 2) block_x(2, 1, xr, K, dr, sr, qo, yr, ldo); else block_x(1, 1, xr, K, dr, sr, qo, yr, ldo);
+            } else {
+                if (R == 4) block_x(4, 0, xr, K, dr, sr, qo, yr, ldo); else if (R == 3) block_x(3, 0, xr, K, dr, sr, qo, yr, ldo);
+                else if (R == 2) block_x(2, 0, xr, K, dr, sr, qo, yr, ldo); else block_x(1, 0, xr, K, dr, sr, qo, yr, ldo);
+            }
+        }
+    }
+}

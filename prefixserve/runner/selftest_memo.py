@@ -48,7 +48,7 @@ FORMAT = 2  # 2: the runtime's part is runner/identity.py's
 MAX_RECORDS = 16
 # environment variables that steer the kernels' threading and dispatch (and so, possibly, their bits)
 _ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "DNNL_", "ONEDNN_", "ATEN_", "TORCH_", "OPENBLAS_",
-                 "PREFIXSERVE_NATIVE", "PREFIXSERVE_DENSE_MATMUL", "CUDA_", "CUBLAS_")
+                 "PREFIXSERVE_NATIVE", "PREFIXSERVE_DENSE_MATMUL", "PREFIXSERVE_DECODE_ACTIVATIONS", "CUDA_", "CUBLAS_")
 
 
 def fingerprint(runner: ModelRunner, model_identity: str) -> dict[str, str]:
@@ -62,6 +62,7 @@ def fingerprint(runner: ModelRunner, model_identity: str) -> dict[str, str]:
         "format": str(FORMAT),
         "model": model_identity,
         "decoder": f"int4_decode={getattr(dec, 'int4_decode', False)}|prefill_q4={getattr(dec, 'prefill_q4', False)}"
+                   f"|decode_int8={getattr(dec, 'decode_int8', False)}"
                    f"|native_attention={getattr(dec, 'native_attention', False)}|{type(dec).__name__}",
         "native_build": native.build_name(),
         "env": json.dumps(env, sort_keys=True),

@@ -1,6 +1,6 @@
 """Run in a child process at one PREFIXSERVE_NATIVE_ISA level (tests/runner/test_isa_levels.py): the
 native kernels' outputs on fixed inputs, the embedded model's greedy run through the native 4-bit
-prefill and decode, and whether a prompt resumed at a split point gives its one-shot logits, saved to the file named on the command line for the parent to compare."""
+prefill and decode (on fp32 and on int8 activations), and whether a prompt resumed at a split point gives its one-shot logits, saved to the file named on the command line for the parent to compare."""
 
 from __future__ import annotations
 
@@ -38,6 +38,19 @@ def main(out_path: str) -> None:
         runner.step([StepItem(st, [token], decode=True)])
         logits.append(st.logits.clone())
     out["logits"] = torch.stack(logits)
+    # the decode step on int8 activations (qmatmul.c `qmatmul_x`): its own bits, the same at every level
+    from prefixserve.models import kernel_choice
+
+    kernel_choice.apply_decode(m.decoder, "int8")
+    assert m.decoder.decode_kernel == "int4-i8"
+    st8 = runner.new_state()
+    runner.step([StepItem(st8, ids)])
+    assert st8.logits is not None
+    int8 = [st8.logits.clone()]
+    for _ in range(8):
+        runner.step([StepItem(st8, [int(torch.argmax(int8[-1]))], decode=True)])
+        int8.append(st8.logits.clone())
+    out["logits_int8"] = torch.stack(int8)
     split = runner.new_state()
     runner.step([StepItem(split, ids[:77])])
     runner.step([StepItem(split, ids[77:])])

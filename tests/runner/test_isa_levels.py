@@ -37,7 +37,7 @@ def test_avx2_build_gives_the_avx512_bits(tmp_path):
     assert (wide["isa"], narrow["isa"]) == ("avx512", "avx2")
     assert wide["build"] != narrow["build"]  # two builds, two files
     keys = [k for k in wide if isinstance(wide[k], torch.Tensor)]
-    assert "logits" in keys and sum(k.startswith("attention-") for k in keys) == 8
+    assert "logits" in keys and "logits_int8" in keys and sum(k.startswith("attention-") for k in keys) == 8
     for k in keys:
         assert torch.equal(wide[k], narrow[k]), k
     for run in runs.values():
@@ -73,3 +73,47 @@ def test_effective_flags_drop_what_the_level_leaves_out(monkeypatch):
     assert native.effective_flags() == ["avx2", "fma", "avx512f", "avx512_bf16", "avx_vnni"]
     monkeypatch.setenv("PREFIXSERVE_NATIVE_ISA", "native")
     assert "amx_tile" in native.effective_flags()
+
+
+_INT8_CODE = """
+import sys, torch
+from prefixserve.models import native
+g = torch.Generator().manual_seed(11)
+out = {"isa": native.isa()}
+for kind, (n, k, rows) in ((0, (3, 576, 64)), (0, (1, 1536, 32)), (1, (5, 576, 48))):
+    packed = torch.randint(0, 256, (rows // 4, k // 32, 96 if kind == 0 else 144), dtype=torch.uint8, generator=g)
+    scales = torch.rand(rows // 4, k // 32, 8 if kind == 0 else 4, generator=g) * 0.02
+    if kind == 0:
+        scales[:, :, 4:] -= 0.16  # bias about -8 codes' worth, as GGUF Q4_1 has
+    at = 64 if kind == 0 else 128
+    packed[:, :, at:at + scales.shape[2] * 4] = scales.contiguous().view(torch.uint8).view(rows // 4, k // 32, -1)
+    x = torch.randn(n, k, generator=g)
+    x[0, :32] = 0.0  # a group of zeros: scale 0, codes 0
+    y, ref = torch.empty(n, rows), torch.empty(n, rows)
+    native.qmatmul_int8(x, packed, kind, y)
+    native.qmatmul(x, packed, kind, ref)
+    out[f"{kind}-{n}-{k}"] = (y, ref)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_int8_dot_products_give_one_set_of_bits_at_every_level(tmp_path):
+    """The decode step's int8-activation matmuls (qmatmul.c `qmatmul_x`): AVX2's maddubs, AVX-512
+    VNNI's dpbusd and the plain C loop give the same bits (exact integer sums, the same float steps),
+    and stay within int8 rounding of the fp32 dot products."""
+    runs = {}
+    for level in native.executable_levels():
+        env = {**os.environ, "PREFIXSERVE_NATIVE_ISA": level,
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        path = str(tmp_path / f"{level}.pt")
+        subprocess.run([sys.executable, "-c", _INT8_CODE, path], env=env, check=True, timeout=600)
+        runs[level] = torch.load(path)
+    assert "generic" in runs and len(runs) >= 2
+    first = runs[native.executable_levels()[0]]
+    for level, run in runs.items():
+        assert run["isa"] == level
+        for key, (y, ref) in ((k, v) for k, v in run.items() if k != "isa"):
+            assert torch.equal(y, first[key][0]), (level, key)
+            assert torch.equal(ref, first[key][1]), (level, key)
+            err = ((y - ref).norm() / ref.norm()).item()
+            assert 0 < err < 2e-2, (level, key, err)

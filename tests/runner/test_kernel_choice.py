@@ -25,6 +25,22 @@ def test_describe_names_the_winner_and_what_it_beat_by_how_much():
     line = c.describe()
     assert "matmul q4 50.0 ms" in line and "beat fp32 1.20x, bf16 4.00x" in line and "timed here" in line
     assert "not timed" in KernelChoice("amx", "native").describe()
+    d = KernelChoice("q4", "native", {"matmul:q4": 0.05, "decode:fp32": 0.012, "decode:int8": 0.006}, "int8")
+    assert "decode int8 6.0 ms a step at position 256 (beat fp32 2.00x)" in d.describe()
+
+
+def test_decode_activations_follow_the_timing_unless_set(monkeypatch):
+    seconds = {"decode:fp32": 0.010, "decode:int8": 0.004}
+    assert fastest(seconds, "decode") == "int8"
+    assert fastest({"decode:fp32": 0.004, "decode:int8": 0.010}, "decode") == "fp32"
+    monkeypatch.setenv("PREFIXSERVE_DECODE_ACTIVATIONS", "int16")
+
+    class Dec:
+        int4_decode = True
+        _native_plan = False
+
+    with pytest.raises(ValueError, match="auto, fp32 or int8"):
+        kernel_choice.decode_wanted(Dec())  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -47,10 +63,19 @@ def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
     assert choice.matmul == fastest(choice.seconds, "matmul")
     configured = {"amx": dec.amx, "q4": dec.prefill_q4, "fp32": dec.matmul_dtype == torch.float32}
     assert all(on == (name == choice.matmul) for name, on in configured.items())
-    assert (dec.kernel_fingerprint() == built) == (choice.matmul == "bf16")
+    assert set(choice.seconds) >= {"decode:fp32", "decode:int8"}
+    assert choice.decode == fastest(choice.seconds, "decode") and dec.decode_int8 == (choice.decode == "int8")
+    assert dec.decode_kernel == ("int4-i8" if choice.decode == "int8" else "int4")
+    assert (dec.kernel_fingerprint() == built) == (choice.matmul == "bf16" and choice.decode == "fp32")
     timed.clear()
     again = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
     second = kernel_choice.choose(again, str(tmp_path))
     assert timed == [] and second.remembered
-    assert (second.matmul, second.attention, second.seconds) == (choice.matmul, choice.attention, choice.seconds)
+    assert (second.matmul, second.attention, second.seconds, second.decode) == (
+        choice.matmul, choice.attention, choice.seconds, choice.decode)
     assert again.kernel_fingerprint() == dec.kernel_fingerprint()
+    # set, not timed: the decode activations asked for, whatever the timing said
+    monkeypatch.setenv("PREFIXSERVE_DECODE_ACTIVATIONS", "fp32" if choice.decode == "int8" else "int8")
+    third = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
+    kernel_choice.choose(third, str(tmp_path / "other"))
+    assert third.decode_int8 == (choice.decode != "int8")
