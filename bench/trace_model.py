@@ -19,13 +19,20 @@ Contracts of the construction (`Scale`, `prompt_ids`):
   conversation stays inside one tenant. Block 0 of every request of the conversation trace is the
   same id (a shared system prompt), so keying on it would put every request in one tenant; the
   default keys on block 1.
+- Sampling: `sample_conversations` keeps the requests whose block `tenant_block` id hashes to a
+  given part mod K: about 1/K of the conversations, each with all of its turns, over the trace's
+  whole span. Reuse distances (in requests and in bytes) and the working set shrink by about K
+  together, so a hit rate at a budget given as a fraction of the working set estimates the whole
+  trace's (one part's figure varies with which conversations it drew); a prefix of the trace (the
+  first N requests, `--limit`) does not: most of its reuse lies later.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
@@ -92,6 +99,30 @@ def parse_trace(lines: Iterable[str], limit: int | None = None) -> list[TraceReq
     return out
 
 
+def sample_conversations(
+    requests: Iterable[TraceRequest], sample: int, sample_block: int = 1, part: int = 0
+) -> list[TraceRequest]:
+    """The requests whose conversation is in part `part` of `sample` (module docstring), in order:
+    parts 0..sample-1 partition the trace. `sample` 1 keeps every request. Pure: the same trace and
+    arguments always keep the same requests."""
+    if sample < 1 or not 0 <= part < sample:
+        raise ValueError("sample must be >= 1 and part in [0, sample)")
+    return [r for r in requests if _mix(r.hash_ids[min(sample_block, len(r.hash_ids) - 1)]) % sample == part]
+
+
+def multi_turn_requests(
+    requests: Sequence[TraceRequest], n: int, conversation_block: int = 1
+) -> list[TraceRequest]:
+    """The first `n` requests, in order, of the conversations (requests sharing the id of block
+    `conversation_block`, as in `sample_conversations`) that have at least two requests in `requests`:
+    a sample whose later turns can be served from the cache its earlier turns filled."""
+    def key(r: TraceRequest) -> int:
+        return r.hash_ids[min(conversation_block, len(r.hash_ids) - 1)]
+
+    turns = Counter(key(r) for r in requests)
+    return [r for r in requests if turns[key(r)] >= 2][:n]
+
+
 def block_lengths(req: TraceRequest, scale: Scale) -> list[int]:
     """Scaled token count of each of the request's blocks, after the cap (trailing blocks that do
     not fit are dropped, the last kept one cut). Every length is >= 1; the sum is <= the cap."""
@@ -152,3 +183,12 @@ def scaled_blocks(req: TraceRequest, scale: Scale, tenant: int) -> list[tuple[tu
     """The request's blocks as cache units: ((tenant, hash id), scaled tokens), after the cap. A
     unit is what a block-granular cache stores once per tenant."""
     return [((tenant, h), n) for h, n in zip(req.hash_ids, block_lengths(req, scale), strict=False)]
+
+
+def _mix(hash_id: int) -> int:
+    """A hash id scrambled (splitmix64's finaliser), so that sampling by it mod K is independent of
+    the tenant choice, which takes the id itself mod K."""
+    z = (hash_id + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)

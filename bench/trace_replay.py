@@ -45,6 +45,7 @@ from trace_model import (
     output_tokens,
     parse_trace,
     prompt_ids,
+    sample_conversations,
     scaled_blocks,
     tenant_key,
     tenant_of,
@@ -335,7 +336,8 @@ def compare(
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", type=Path, help="a Mooncake-format JSONL trace (e.g. conversation_trace.jsonl)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--sample", type=int, default=1, help="keep 1 in K conversations, by block --tenant-block (default 1: all)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests (after --sample)")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block (default 16)")
     p.add_argument("--max-prompt-tokens", type=int, default=8_192 - 64, help="prompt cap (default 8128)")
     p.add_argument("--max-output", type=int, default=16, help="output length cap (default 16)")
@@ -367,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     scale = Scale(args.block_tokens, args.max_prompt_tokens, args.max_output, args.seed)
     with args.trace.open() as f:
-        requests = parse_trace(f, args.limit)
+        requests = sample_conversations(parse_trace(f), args.sample, args.tenant_block)[: args.limit]
     print(f"trace {args.trace}: {len(requests)} requests, {args.tenants} tenant(s) by block {args.tenant_block}")
     print(f"scale: {scale.describe()}")
     out: dict[str, Any] = {"trace": str(args.trace), "scale": asdict(scale), "tenants": args.tenants}

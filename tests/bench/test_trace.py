@@ -17,9 +17,11 @@ from trace_model import (
     Scale,
     api_keys_file_text,
     block_lengths,
+    multi_turn_requests,
     output_tokens,
     parse_trace,
     prompt_ids,
+    sample_conversations,
     scaled_blocks,
     tenant_of,
 )
@@ -90,6 +92,23 @@ def test_tenants_follow_the_chosen_block(tmp_path: Path) -> None:
     tenants = [parse_key_spec(spec)[0] for spec in read_keys_file(tmp_path / "keys")]
     assert tenants == ["trace-t0", "trace-t1", "trace-t2"]  # a key file the server accepts
     assert scaled_blocks(reqs[2], Scale(block_tokens=16), 3) == [((3, 0), 16), ((3, 7), 12)]  # 388 tokens -> 12
+
+
+def test_sampling_keeps_whole_conversations_and_parts_partition() -> None:
+    reqs = parse_trace(LINES.splitlines())  # conversations by block 1: {0, 1, 3} (id 1) and {2} (id 7)
+    assert sample_conversations(reqs, 1) == reqs
+    parts = [sample_conversations(reqs, 3, part=k) for k in range(3)]
+    assert parts == [[reqs[2]], [], [reqs[0], reqs[1], reqs[3]]]  # ids 7 and 1 hash to parts 0 and 2
+    assert sample_conversations(reqs, 3, sample_block=0, part=0) in ([], reqs)  # block 0 is shared by all
+    with pytest.raises(ValueError):
+        sample_conversations(reqs, 3, part=3)
+
+
+def test_multi_turn_requests_skip_single_turn_conversations() -> None:
+    reqs = parse_trace(LINES.splitlines())
+    assert multi_turn_requests(reqs, 10) == [reqs[0], reqs[1], reqs[3]]  # conversation id 7 has one turn
+    assert multi_turn_requests(reqs, 2) == [reqs[0], reqs[1]]
+    assert multi_turn_requests(reqs, 10, conversation_block=2) == [reqs[0], reqs[3]]  # block 2's ids: 2, 5, 7, 2
 
 
 # blocks of one token each: (key, tokens)
