@@ -9,12 +9,15 @@ entry and one entry can seed any number of concurrent sessions.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from prefixserve.models.layers import BLOCK
+
+log = logging.getLogger("prefixserve.runner")
 
 GROW_TOKENS = 256  # capacity grows in steps of at least this many tokens (a multiple of BLOCK)
 
@@ -29,11 +32,20 @@ class KVPool:
     A fresh multi-MB tensor is new pages, and the first touch of new pages is the kernel's (and on
     a VM the host's) work: measured on the 2-core Xeon VM, restoring a 1,900-token prefix took
     ~23 ms with a fresh buffer (zero-fill + copy) and, every twenty or so requests, 140-520 ms when
-    the allocation stalled; into a reused buffer the same copy takes ~6 ms. Buffers come back only
-    from owners that are done with them (`give`), and only when no view of their storage is alive;
-    `take` returns garbage, so every caller writes or zeroes all of it (block attention needs zeros
-    past the valid keys). Bounded by `max_bytes`, oldest out, and by what `trim` allows (the engine
-    keeps the pool within the session budget its admitted sessions leave). Engine-thread only.
+    the allocation stalled; into a reused buffer the same copy takes ~6 ms. `take` returns garbage,
+    so every caller writes or zeroes all of it (block attention needs zeros past the valid keys).
+    Bounded by `max_bytes`, oldest out, and by what `trim` allows (the engine keeps the pool within
+    the session budget its admitted sessions leave). Engine-thread only.
+
+    Who holds a buffer is this code's own count, never asked of torch (its storage use count is a
+    private API whose meaning may change with any torch release, and a wrong answer would hand memory
+    a cache entry or session still reads to another tenant's session). A buffer has exactly one
+    holder: the `SessionState` it was lent to (`take`) or that made it (growth). Nothing else keeps a
+    view of a session's KV past the call that made it: snapshots, forks and the tiers copy
+    (`SessionState.snapshot`, runner/pieces.py). `give` is the holder's last use, taking the count to
+    zero; the pool then keeps the buffer unless it is not one whole storage (a view: someone else's
+    memory), is pooled already (a second give would lend it to two sessions), or is too large.
+    `check_integrity` asserts the pool's side of it.
 
     512 MiB, not the 128 it was: back-to-back requests on a 2,000-token system prompt keep up to
     MAX_PENDING_REFILLS finished states (45 MB each) waiting for their refill while the next requests
@@ -45,14 +57,16 @@ class KVPool:
 
     def __init__(self, max_bytes: int = 512 << 20) -> None:
         self.max_bytes = max_bytes
-        self._free: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []  # oldest first
+        self._pooled: set[int] = set()  # the storages of `_free`, by address (alive while pooled): each once
         self.bytes = 0
         self.num_reused = 0
         self.num_allocated = 0
+        self.num_refused = 0  # gives not kept because the buffer was a view or pooled already (each a bug)
 
     def take(self, shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: str) -> torch.Tensor:
         """A tensor of `shape` (capacity = shape[3]) or of a capacity up to a quarter (at least
-        GROW_TOKENS) larger; its contents are undefined."""
+        GROW_TOKENS) larger; its contents are undefined. The caller is its one holder until `give`."""
         cap = shape[3]
         slack = max(GROW_TOKENS, cap // 4)
         best = None
@@ -63,28 +77,52 @@ class KVPool:
                 best = i
         if best is None:
             self.num_allocated += 1
-            return torch.empty(shape, dtype=dtype, device=device)
-        t = self._free.pop(best)
-        self.bytes -= t.numel() * t.element_size()
-        self.num_reused += 1
+            t = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            t = self._free.pop(best)
+            self._pooled.discard(_address(t))
+            self.bytes -= _nbytes(t)
+            self.num_reused += 1
         return t
 
     def trim(self, limit: int) -> None:
-        """Hold at most `limit` bytes (oldest out)."""
+        """Hold at most `limit` bytes (oldest out). `trim(0)` empties the pool; any limit is safe."""
         while self._free and self.bytes > max(0, limit):
             old = self._free.pop(0)
-            self.bytes -= old.numel() * old.element_size()
+            self._pooled.discard(_address(old))
+            self.bytes -= _nbytes(old)
 
-    def give(self, kv: torch.Tensor) -> None:
-        """Keep `kv` for reuse if nothing else can see its memory (no live view of its storage)."""
-        nbytes = kv.numel() * kv.element_size()
-        use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it pools nothing
-        # 2 = this tensor + the temporary storage handle of the call itself (measured, torch 2.13)
-        if nbytes > self.max_bytes or use_count is None or use_count(kv.untyped_storage()._cdata) != 2:
-            return
+    def give(self, kv: torch.Tensor) -> bool:
+        """Its holder is done with `kv` and never uses it again (the class docstring): keep it for a later
+        `take` if it is one whole storage, not pooled already and within `max_bytes`. Whether it was kept."""
+        address = _address(kv)
+        whole = kv.is_contiguous() and kv.storage_offset() == 0 and kv.untyped_storage().nbytes() == _nbytes(kv)
+        if not whole or address in self._pooled:
+            self.num_refused += 1
+            log.error("KV pool: refused a buffer that is %s", "pooled already" if whole else "a view of a larger one")
+            return False
+        if _nbytes(kv) > self.max_bytes:
+            return False
         self._free.append(kv)
-        self.bytes += nbytes
+        self._pooled.add(address)
+        self.bytes += _nbytes(kv)
         self.trim(self.max_bytes)
+        return True
+
+    def check_integrity(self) -> None:
+        """Bytes add up; every pooled buffer is a whole storage, pooled once."""
+        assert self.bytes == sum(_nbytes(t) for t in self._free) <= self.max_bytes
+        assert self._pooled == {_address(t) for t in self._free} and len(self._pooled) == len(self._free)
+        assert all(t.storage_offset() == 0 and t.untyped_storage().nbytes() == _nbytes(t) for t in self._free)
+
+
+def _address(t: torch.Tensor) -> int:
+    """Names a buffer's memory while the buffer lives (the address of its storage's first byte)."""
+    return int(t.untyped_storage().data_ptr())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _kv_buffer(

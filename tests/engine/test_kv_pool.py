@@ -1,10 +1,15 @@
 """KV buffers of finished sessions are reused (runner/state.py KVPool): a reused buffer never leaks
-old contents into a session, a buffer something still views is never reused, the pool is bounded."""
+old contents into a session, a view or a buffer given twice is never pooled, holders are counted by
+the pool's own contract (no private torch API), the pool is bounded."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
+import prefixserve
 from prefixserve.runner.state import BLOCK, KVPool, SessionState
 
 SHAPE = (2, 2, 3, 8)  # layers, 2, kv heads, head_dim
@@ -32,15 +37,45 @@ def test_a_restore_into_a_dirty_reused_buffer_equals_a_fresh_one() -> None:
     assert pool.num_allocated == 1 and not again.kv.any()
 
 
-def test_a_buffer_with_a_live_view_is_not_kept() -> None:
+def test_a_view_or_a_second_give_is_never_pooled() -> None:
+    """Only a whole storage, once: a view is someone else's memory, and a buffer given twice would be
+    lent to two sessions."""
     pool = KVPool()
     kv = torch.zeros(2, 2, 3, BLOCK, 8)
-    view = kv[0]
-    pool.give(kv)
-    assert pool.bytes == 0
-    del view
-    pool.give(kv)
-    assert pool.bytes == kv.numel() * kv.element_size()
+    assert not pool.give(kv[0]) and not pool.give(kv[:, :, :, : BLOCK // 2]) and not pool.give(kv[1:])
+    assert pool.give(kv) and not pool.give(kv)
+    assert (pool.bytes, pool.num_refused) == (kv.numel() * kv.element_size(), 4)
+    pool.check_integrity()
+    first = pool.take(tuple(kv.shape), kv.dtype, "cpu")  # type: ignore[arg-type]
+    second = pool.take(tuple(kv.shape), kv.dtype, "cpu")  # type: ignore[arg-type]
+    assert first.data_ptr() == kv.data_ptr() and second.data_ptr() != kv.data_ptr()
+    assert (pool.num_reused, pool.num_allocated, pool.bytes) == (1, 1, 0)
+    pool.check_integrity()
+
+
+def test_the_pool_counts_holders_itself_not_with_torchs_private_use_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pooling works whatever torch's private storage use count says (or whether it exists), and a
+    snapshot taken from a state (what a cache entry holds) keeps its bits while the state's buffer is
+    lent to another session and overwritten."""
+
+    def private(*args: object) -> int:
+        raise AssertionError("torch's private storage use count was asked")
+
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", private, raising=False)
+    pool = KVPool()
+    st = _filled(40, 64, 1)
+    snap = st.snapshot()
+    kept = snap.restore(40, 0).kv.clone()
+    assert pool.give(st.kv)
+    other = pool.take(tuple(st.kv.shape), st.kv.dtype, "cpu")  # type: ignore[arg-type]
+    assert other.data_ptr() == st.kv.data_ptr()
+    other.fill_(9.0)  # another tenant's session writes its KV there
+    assert torch.equal(snap.restore(40, 0).kv, kept)
+    pool.check_integrity()
+    root = Path(prefixserve.__file__).parent
+    private_uses = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                    if any(name in p.read_text() for name in ("_storage_Use_Count", "_use_count(", "._cdata"))]
+    assert private_uses == []
 
 
 def test_sizes_match_within_slack_and_the_pool_is_bounded() -> None:
@@ -54,6 +89,7 @@ def test_sizes_match_within_slack_and_the_pool_is_bounded() -> None:
     assert pool.take((2, 2, 3, 480, 8), torch.bfloat16, "cpu").shape[3] == 512  # within the slack
     assert pool.take((2, 2, 3, 512, 8), torch.float32, "cpu").dtype == torch.float32
     assert pool.num_reused == 1
+    pool.check_integrity()
 
 
 def test_trim_drops_the_oldest_to_a_limit() -> None:
