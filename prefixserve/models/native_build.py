@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 
 from prefixserve.models import native
+
+log = logging.getLogger("prefixserve.models")
 
 NICE_INCREMENT = 10  # the compilers' priority below this process's
 _build_lock = threading.Lock()  # held while the kernels compile: `built_path` waits for `prebuild`'s build
@@ -33,8 +37,10 @@ def _build(cc: str) -> str:
     out_dir = native.build_dir()
     path = os.path.join(out_dir, f"kernels-{name}.so")
     if os.path.isfile(path):
+        check_private(out_dir, path)
         return path
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    check_private(out_dir)
     work = tempfile.mkdtemp(prefix=".build-", dir=out_dir)
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -57,6 +63,26 @@ def _build(cc: str) -> str:
                 proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+class UnsafeBuildDir(OSError):
+    """The kernels' directory or file is another user's, or others may write it: loading a library from
+    it would run whatever they put there, in this process (library() falls back to torch)."""
+
+
+def check_private(out_dir: str, path: str | None = None) -> None:
+    """Raise UnsafeBuildDir (and log it at ERROR) unless `out_dir`, and `path` in it when given (a built
+    library, a regular file, not a link), are owned by this process's user and writable by no group
+    and no other user. Checked before a library there is loaded or built."""
+    for p in (out_dir,) if path is None else (out_dir, path):
+        st = os.stat(p) if p == out_dir else os.lstat(p)
+        why = (f"owned by uid {st.st_uid}, not this process's {os.geteuid()}" if st.st_uid != os.geteuid()
+               else "not a regular file" if p == path and not stat.S_ISREG(st.st_mode)
+               else "writable by its group or others" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+        if why is not None:
+            log.error("native kernels: refusing %s: %s (chmod go-w it or set PREFIXSERVE_NATIVE_DIR to a directory "
+                      "of your own); attention uses its torch formulation", p, why)
+            raise UnsafeBuildDir(f"{p} is {why}")
 
 
 def _lower_priority() -> list[str]:
