@@ -4,8 +4,8 @@
 
 Each configuration is `prefixserve generate` (greedy, 64 tokens) on the same ~2,000-token prompt in a
 fresh process with one environment setting: the default (prefill kernels chosen by timing,
-models/kernel_choice.py), each PREFIXSERVE_DENSE_MATMUL value the CPU offers, and the torch kernels
-only (PREFIXSERVE_NATIVE=0). Rounds alternate the order; each configuration's best cold TTFT and
+models/kernel_choice.py), each PREFIXSERVE_DENSE_MATMUL value the CPU offers, each
+PREFIXSERVE_DECODE_ACTIVATIONS value, and the torch kernels only (PREFIXSERVE_NATIVE=0). Rounds alternate the order; each configuration's best cold TTFT and
 decode rate are compared with the default's. The issue's bar: the default within 10% of the fastest
 on both. Every configuration passes the start-up self-test or says it did not.
 Environment variables given to this script (e.g. the AVX2 emulation's) reach every run.
@@ -33,6 +33,8 @@ def configurations(flags: str) -> dict[str, dict[str, str]]:
         out["amx"] = {"PREFIXSERVE_DENSE_MATMUL": "amx"}
     for name in ("q4", "fp32", "bf16"):
         out[name] = {"PREFIXSERVE_DENSE_MATMUL": name}
+    for name in ("fp32", "int8"):  # the 4-bit decode step's activations (models/kernel_choice.py)
+        out[f"decode {name}"] = {"PREFIXSERVE_DECODE_ACTIVATIONS": name}
     out["torch only"] = {"PREFIXSERVE_NATIVE": "0"}
     return out
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} {name:>10}: TTFT {ttft} ms, decode {tps:.1f} tok/s", flush=True)
     d_ttft, d_tps = best["default"]
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
-    isa = {k: v for k, v in os.environ.items() if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PREFIXSERVE_NATIVE_ISA")}
+    isa = {k: v for k, v in os.environ.items()
+           if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PREFIXSERVE_NATIVE_ISA")}
     rows = [f"CPU: {model}; {os.cpu_count()} CPUs; emulation: {isa or 'none'}; {args.rounds} rounds, best of each",
             "", "| configuration | cold TTFT (ms) | vs default | decode (tok/s) | vs default | self-test |",
             "|---|--:|--:|--:|--:|---|"]
