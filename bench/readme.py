@@ -37,6 +37,8 @@ def render_readme(rows: list[Row], ours: Raw, peer: Raw, plan: dict[str, Any]) -
             "medians (of the p90s where the row says so); targets are reported, not asserted."
         ),
         "",
+        f"CPU class: {_cpu_class()}.",
+        "",
         (
             f"Runs per workload: {plan['num_runs']} (concurrency: {plan['concurrency_rounds']} rounds "
             f"of N clients x {plan['concurrency_max_tokens']} max tokens). "
@@ -92,6 +94,28 @@ def _display_cmd(raw: Raw) -> str:
 
 def _load_avg(raw: Raw) -> str:
     return "–" if not raw else "/".join(f"{x:.1f}" for x in raw["loadavg"])
+
+
+EMULATION_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PREFIXSERVE_NATIVE_ISA")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile", "amx_int8")
+
+
+def _cpu_class() -> str:
+    """The CPU's vector flags that pick kernels, its class in docs/exactness.md's words ("Every CPU
+    class"), and any emulation this run was held to (make bench-avx2)."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    have = [f for f in ISA_FLAGS if f in flags]
+    name = ("Intel Xeon with AMX" if "amx_bf16" in have else "AVX-512 with BF16 (an AMD Zen 4's set)"
+            if "avx512_bf16" in have else "AVX-512" if "avx512f" in have else "AVX2 + FMA (an AMD Zen 3's set)"
+            if "avx2" in have else "no AVX2")
+    emulated = {k: os.environ[k] for k in EMULATION_VARS if k in os.environ}
+    held = (f"; **emulated AVX2 + FMA** ({' '.join(f'{k}={v}' for k, v in emulated.items())}): figures for "
+            "code paths, not a real AVX2 machine's speed") if emulated else ""
+    return f"{name}, flags {' '.join(have) or 'none of ' + ' '.join(ISA_FLAGS)}{held}"
 
 
 def _cpu_name() -> str:

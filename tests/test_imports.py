@@ -51,7 +51,8 @@ def test_runner_never_imports_cache_and_nothing_imports_server():
 
 
 def test_modules_stay_small():
-    big = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if len(p.read_text().splitlines()) > 350]
+    """A module a reader takes in whole: at most 400 lines (docs/architecture.md)."""
+    big = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if len(p.read_text().splitlines()) > 400]
     assert not big, big
 
 
