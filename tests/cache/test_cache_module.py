@@ -45,4 +45,4 @@ def test_cache_imports_only_types_config_and_itself() -> None:
 
 def test_modules_stay_small() -> None:
     for path in CACHE_DIR.glob("*.py"):
-        assert len(path.read_text().splitlines()) <= 300, path.name
+        assert len(path.read_text().splitlines()) <= 400, path.name  # as every module (tests/test_imports.py)
