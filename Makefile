@@ -52,12 +52,13 @@ soak: install
 	SOAK=1 $(PY) -m pytest -q tests/runner/test_exactness.py -k resume
 	SOAK=1 $(PY) -m pytest -q -s tests/reliability
 
-# N replicas sharing one redis-server, behind SMG (SGLang's model gateway, installed into the venv when
-# missing) on $(PORT); Ctrl-C stops all (bench/cluster.sh; POLICY=cache_aware etc.).
+# N replicas sharing one redis-server, behind SMG (SGLang's model gateway: smg==1.13.0, in the test extra
+# that make install installs) on $(PORT); Ctrl-C stops all (bench/cluster.sh; POLICY=cache_aware etc.).
+# API_KEYS_FILE=keys.txt for replicas that require API keys (docs/gateway.md, "A local cluster").
 N ?= 3
+API_KEYS_FILE ?=
 cluster: install redis-server
-	test -x $(VENV)/bin/smg || $(PY) -m pip install -q smg
-	PORT=$(PORT) bash bench/cluster.sh $(N)
+	PORT=$(PORT) bash bench/cluster.sh $(N) $(if $(API_KEYS_FILE),--api-keys-file $(API_KEYS_FILE))
 
 lint: install
 	$(VENV)/bin/ruff check prefixserve tests tools
