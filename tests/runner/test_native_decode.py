@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.models import amx_tiles, native, native_decode
+from prefixserve.models import amx_tiles, kernel_choice, native, native_decode
 from prefixserve.models.decoder import Segment
 from prefixserve.models.hf_loader import HFModel
 from prefixserve.models.layers import TilePlan
@@ -115,8 +115,27 @@ def test_decode_step_computes_what_the_torch_formulation_does(tiny, monkeypatch)
     assert F.cosine_similarity(k_mine.flatten(), k_theirs.flatten(), dim=0) > 0.9999  # decoded K/V written
 
 
-def _batch_and_thread_invariant(folder: str, starts: list[int], capacity: int) -> None:
+def test_int8_activations_stay_near_fp32_ones(tiny):
+    """The decode step on int8 activations (qmatmul.c `qmatmul_x`, models/kernel_choice.py): the same
+    codes, activations rounded to 8 bits per 32 inputs, so nearly the fp32 step's logits."""
+    fp32, int8 = _runner(tiny, int4=True), _runner(tiny, int4=True)
+    kernel_choice.apply_decode(int8.decoder, "int8")
+    assert int8.decoder.decode_kernel == "int4-i8" and int8.decoder.native_decode_plan() is not None
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 320, (45,), generator=g).tolist()
+    states = [_start(r, prompt) for r in (fp32, int8)]
+    for _ in range(4):
+        token = int(torch.argmax(states[0].logits))
+        for r, st in zip((fp32, int8), states):
+            r.step([StepItem(st, [token], decode=True)])
+        assert not torch.equal(states[0].logits, states[1].logits)  # another arithmetic
+        assert F.cosine_similarity(states[0].logits, states[1].logits, dim=0) > 0.999
+
+
+def _batch_and_thread_invariant(folder: str, starts: list[int], capacity: int, int8: bool = False) -> None:
     dec = _runner(folder, int4=True).decoder
+    if int8:
+        kernel_choice.apply_decode(dec, "int8")
     plan = dec.native_decode_plan()
     assert plan is not None
     a = dec.arch
@@ -143,8 +162,9 @@ def _batch_and_thread_invariant(folder: str, starts: list[int], capacity: int) -
     assert not torch.equal(all_kv, kv)  # the step wrote K/V at each session's position
 
 
-def test_decode_step_is_batch_and_thread_invariant(tiny):
-    _batch_and_thread_invariant(tiny, [3, 16, 47, 100], 128)
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_decode_step_is_batch_and_thread_invariant(tiny, int8):
+    _batch_and_thread_invariant(tiny, [3, 16, 47, 100, 7], 128, int8)
 
 
 # Deeper than one P.V stretch (decode.c PV_SEG, 256 keys), at the head shapes decode.c keeps in
