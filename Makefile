@@ -65,20 +65,31 @@ lint: install
 	$(VENV)/bin/mypy prefixserve tools
 
 # The peer, llama.cpp's own C++ llama-server, is built once from llama-cpp-python's sdist (compiles).
-# BENCH_ARGS=--quick for a short development run.
+# BENCH_ARGS=--quick for a short development run. Then the Mooncake trace replay (bench/trace_bench.py,
+# a few minutes; needs make trace) against both, figures in bench/results/raw/trace/trace.json.
 bench: install
 	bash bench/peer.sh .peer
 	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
 		--peer-bin .peer/bin/llama-server --out bench/results $(BENCH_ARGS)
 	$(PY) bench/kernel_configs.py --out bench/results/kernels.md
+	@if test -s bench/data/conversation_trace.jsonl; then \
+		$(PY) bench/trace_bench.py bench/data/conversation_trace.jsonl --out bench/results/raw/trace; \
+	else echo "bench/data/conversation_trace.jsonl missing (make trace): the trace replay is skipped"; fi
 
-# The Mooncake production traces (FAST '25) that bench/trace_replay.py replays: data, never committed
-# (bench/data/ is ignored). docs/cache.md, "Eviction", has the commands and figures.
+# The Mooncake production traces (FAST '25) that bench/trace_replay.py and bench/trace_bench.py replay:
+# data, never committed (bench/data/ is ignored); docs/cache.md, "Eviction", has the figures. Two ways
+# to get them: downloaded with curl, or, where only a git copy of kvcache-ai/Mooncake is at hand (no
+# internet: a mirror or a clone), read out of it: make trace MOONCAKE_GIT=/path/to/Mooncake/.git
 TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces
+MOONCAKE_GIT ?=
 trace:
 	mkdir -p bench/data
-	for f in conversation_trace synthetic_trace; do \
-		test -s bench/data/$$f.jsonl || curl -fsSL -o bench/data/$$f.jsonl $(TRACE_URL)/$$f.jsonl; done
+	for f in conversation_trace synthetic_trace; do test -s bench/data/$$f.jsonl && continue; \
+		if test -n "$(MOONCAKE_GIT)"; then git --git-dir="$(MOONCAKE_GIT)" show \
+			HEAD:FAST25-release/traces/$$f.jsonl > bench/data/$$f.jsonl.tmp; \
+		else curl -fsSL -o bench/data/$$f.jsonl.tmp $(TRACE_URL)/$$f.jsonl; fi || { rm -f bench/data/$$f.jsonl.tmp; \
+			echo "$$f.jsonl not fetched; from a git copy of Mooncake: make trace MOONCAKE_GIT=PATH/.git" >&2; exit 1; }; \
+		mv bench/data/$$f.jsonl.tmp bench/data/$$f.jsonl; done
 
 # The AVX2 column: ours held to AVX2 (emulated where the CPU has more) against llama-server built for
 # AVX2 + FMA only; results in bench/results/avx2-emulated/.

@@ -1,7 +1,7 @@
 """The trace benchmark: a Mooncake production trace replayed over HTTP against prefixserve and
 llama.cpp's llama-server at one cache byte budget, beside the offline bounds, and an exactness check.
 
-    .venv/bin/python bench/trace_bench.py bench/data/conversation_trace.jsonl --out bench/results/trace-raw
+    .venv/bin/python bench/trace_bench.py bench/data/conversation_trace.jsonl --out bench/results/raw/trace
 
 For each budget (`--fractions` of the trace's working set at the replay's scale, in KV bytes), each
 server is started alone, the sampled trace is replayed against it at its arrival times / `--speedup`
@@ -24,10 +24,11 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import platform
 import shlex
+import signal
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_bench import default_gguf
+from serve_bench import _raise_interrupt, default_gguf
 from servers import ServerProcess, free_port
 from trace_model import (
     SMOLLM2_KV_BYTES_PER_TOKEN,
@@ -59,7 +60,7 @@ PEER_ARGS = "-c 32768 -np 8 --kv-unified -t 2 -tb 2"
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", type=Path, nargs="?", default=Path("bench/data/conversation_trace.jsonl"))
-    p.add_argument("--out", type=Path, default=Path("bench/results/trace-raw"))
+    p.add_argument("--out", type=Path, default=Path("bench/results/raw/trace"))
     p.add_argument("--sample", type=int, default=64, help="keep 1 in K conversations (default 64)")
     p.add_argument("--part", type=int, default=0, help="which of the K parts (default 0)")
     p.add_argument("--limit", type=int, default=None, help="only the first N sampled requests")
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="the GGUF both serve (default: the embedded SmolLM2-135M)")
     p.add_argument("--exact", type=int, default=40, help="requests of the exactness check (0: none; default 40)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # so the servers are stopped on `kill` too
 
     scale = Scale(block_tokens=args.block_tokens, max_output=args.max_output)
     with args.trace.open() as f:
@@ -113,13 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in servers:
             for policy in args.policies.split(",") if name == "ours" else ["-"]:
                 label = f"{name}-{policy}-{fraction:g}" if name == "ours" else f"{name}-{fraction:g}"
-                cmd = _ours_cmd(args.ours_cmd, keys_file, budget, policy) if name == "ours" else \
+                cmd = _ours_cmd(args.ours_cmd, keys_file, budget, policy, args.out / f"data-{label}") if name == "ours" else \
                     _peer_cmd(args.peer_bin, gguf, args.tenants, budget, args.peer_args)
                 print(f"\n[{label}] budget {budget / (1 << 20):,.0f} MiB ({fraction:.0%} of the working set)")
+                load_before = os.getloadavg()[0]
                 result = _replay_on(label, cmd, args, requests, scale)
                 print_replay(result)
-                out["runs"].append({"server": name, "policy": policy, "fraction": fraction,
-                                    "budget_bytes": budget, "command": shlex.join(cmd(0)), **result})
+                load = (load_before, os.getloadavg()[0])
+                print(f"load average (1 min) {load[0]:.1f} before, {load[1]:.1f} after")
+                out["runs"].append({"server": name, "policy": policy, "fraction": fraction, "budget_bytes": budget,
+                                    "command": shlex.join(cmd(0)), "load_average": load, **result})
                 _dump(args.out / "trace.json", out)
     if args.exact:
         sample = multi_turn_requests(requests, args.exact)
@@ -141,12 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 Command = Callable[[int], list[str]]  # port -> argv
 
 
-def _ours_cmd(base: str, keys_file: Path, budget: int, policy: str) -> Command:
-    data_dir = tempfile.mkdtemp(prefix="trace-bench-")  # its own responses store: nothing shared between runs
+def _ours_cmd(base: str, keys_file: Path, budget: int, policy: str, data_dir: Path) -> Command:
+    """`base` at `budget` with `policy`, its own data directory (responses store: nothing shared)."""
 
     def make(port: int) -> list[str]:
         return [*shlex.split(base), "--host", "127.0.0.1", "--port", str(port), "--api-keys-file", str(keys_file),
-                "--cache-max-bytes", str(budget), "--cache-eviction", policy, "--data-dir", data_dir]
+                "--cache-max-bytes", str(budget), "--cache-eviction", policy, "--data-dir", str(data_dir)]
 
     return make
 
@@ -172,7 +177,8 @@ def _replay_on(
 
 def _exact(args: argparse.Namespace, sample: Sequence[TraceRequest], scale: Scale, budget: int) -> dict[str, Any]:
     keys_file = args.out / "keys.txt"
-    on, off = _ours_cmd(args.ours_cmd, keys_file, budget, "lru"), _ours_cmd(args.ours_cmd, keys_file, 0, "lru")
+    on = _ours_cmd(args.ours_cmd, keys_file, budget, "lru", args.out / "data-exact-on")
+    off = _ours_cmd(args.ours_cmd, keys_file, 0, "lru", args.out / "data-exact-off")
     port_on, port_off = free_port(), free_port()
     key = tenant_key(0)[1]
     with (

@@ -13,7 +13,8 @@ Contracts of the construction (`Scale`, `prompt_ids`):
   and the first differing id starts differing tokens (random ids from a 49k vocabulary: two blocks'
   first tokens agree with probability ~2e-5).
 - A prompt is capped at `max_prompt_tokens` (its leading blocks kept, the last one cut), so prompt
-  plus `max_output` fits the model's context; output lengths are capped at `max_output`.
+  plus `max_output` fits the model's context; output lengths are scaled as prompts are, then
+  capped at `max_output` (a reply the next turn does not reuse costs cache bytes in proportion).
 - Tenants: `tenant_of` maps a request to one of K tenants by the id of its block `tenant_block`
   (or its last block, when it has fewer), mod K. Requests sharing that block share a tenant, so a
   conversation stays inside one tenant. Block 0 of every request of the conversation trace is the
@@ -157,8 +158,9 @@ def prompt_ids(req: TraceRequest, scale: Scale) -> list[int]:
 
 
 def output_tokens(req: TraceRequest, scale: Scale) -> int:
-    """max_tokens for the request: its output length capped at `scale.max_output`, at least 1."""
-    return max(1, min(req.output_length, scale.max_output))
+    """max_tokens for the request: its output length scaled as prompts are (x block_tokens / 512,
+    rounded), capped at `scale.max_output`, at least 1."""
+    return max(1, min(round(req.output_length * scale.block_tokens / TRACE_BLOCK_TOKENS), scale.max_output))
 
 
 def tenant_of(req: TraceRequest, num_tenants: int, tenant_block: int = 1) -> int:

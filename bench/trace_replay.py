@@ -1,7 +1,9 @@
 """Replay a Mooncake-format production trace against any OpenAI-compatible server, with offline bounds.
 
 Get the trace (data, not in this repository): `make trace` downloads kvcache-ai/Mooncake's
-`FAST25-release/traces/{conversation,synthetic}_trace.jsonl` into bench/data/ (ignored by git).
+`FAST25-release/traces/{conversation,synthetic}_trace.jsonl` into bench/data/ (ignored by git), or
+`make trace MOONCAKE_GIT=PATH/.git` reads them out of a git copy of that repository. Over HTTP
+against ours and llama-server together, with the exactness check: bench/trace_bench.py.
 
 Offline (no server; seconds): the trace's working set, the hit rate of an infinite cache, Belady's
 optimum and a block LRU at budgets of 10/25/50% of the working set (or `--cache-max-bytes`), and the
@@ -337,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", type=Path, help="a Mooncake-format JSONL trace (e.g. conversation_trace.jsonl)")
     p.add_argument("--sample", type=int, default=1, help="keep 1 in K conversations, by block --tenant-block (default 1: all)")
+    p.add_argument("--part", type=int, default=0, help="which of the --sample parts (default 0)")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests (after --sample)")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block (default 16)")
     p.add_argument("--max-prompt-tokens", type=int, default=8_192 - 64, help="prompt cap (default 8128)")
@@ -369,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     scale = Scale(args.block_tokens, args.max_prompt_tokens, args.max_output, args.seed)
     with args.trace.open() as f:
-        requests = sample_conversations(parse_trace(f), args.sample, args.tenant_block)[: args.limit]
+        requests = sample_conversations(parse_trace(f), args.sample, args.tenant_block, args.part)[: args.limit]
     print(f"trace {args.trace}: {len(requests)} requests, {args.tenants} tenant(s) by block {args.tenant_block}")
     print(f"scale: {scale.describe()}")
     out: dict[str, Any] = {"trace": str(args.trace), "scale": asdict(scale), "tenants": args.tenants}

@@ -67,7 +67,9 @@ def test_lengths_are_scaled_and_capped() -> None:
     assert block_lengths(reqs[3], Scale(block_tokens=16)) == [16, 16, 16, 16]
     assert block_lengths(reqs[3], scale) == [16, 16, 8]  # the cap cuts the third block, drops the fourth
     assert len(prompt_ids(reqs[3], scale)) == 40
-    assert [output_tokens(r, scale) for r in reqs] == [8, 3, 8, 8]
+    # outputs scale as prompts do: 500 tokens -> round(15.6) = 16, capped at 8; 40 -> round(1.25) = 1; at least 1
+    assert [output_tokens(r, scale) for r in reqs] == [8, 1, 1, 1]
+    assert [output_tokens(r, Scale(block_tokens=512, max_output=100)) for r in reqs] == [100, 3, 40, 10]
 
 
 def test_equal_ids_give_equal_prefixes_and_different_ids_differ() -> None:

@@ -52,7 +52,7 @@ def conversation_trace() -> list[TraceRequest]:
         for conv in range(NUM_CONVERSATIONS):
             ids = [0] + [1000 * k + conv + 1 for k in range(1, 2 * turn + 3)]  # block 1's id: tenant by parity
             lines.append(json.dumps({"timestamp": 1000 * len(lines), "input_length": 512 * (len(ids) - 1) + 200,
-                                     "output_length": 40, "hash_ids": ids}))
+                                     "output_length": 1024, "hash_ids": ids}))  # 16 tokens, capped at 12
     return parse_trace(lines)
 
 
