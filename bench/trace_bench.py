@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tenants", type=int, default=4, help="API keys the conversations are spread over (default 4)")
     p.add_argument("--speedup", type=float, default=20.0, help="arrival times this many times faster (default 20)")
     p.add_argument("--fractions", default="0.25", help="budgets, fractions of the working set (default 0.25)")
-    p.add_argument("--servers", default="ours,peer", help="ours, peer or both (default ours,peer)")
+    p.add_argument("--servers", default="ours,peer", help="comma-separated: ours, peer (default ours,peer)")
     p.add_argument("--policies", default="lru", help="ours' --cache-eviction values to run (default lru)")
     p.add_argument("--ours-cmd", default=".venv/bin/prefixserve serve --no-ledger")
     p.add_argument("--peer-bin", default=".peer/bin/llama-server")
@@ -114,17 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for fraction, budget in zip(fractions, budgets, strict=True):
         for name in servers:
             for policy in args.policies.split(",") if name == "ours" else ["-"]:
-                label = f"{name}-{policy}-{fraction:g}" if name == "ours" else f"{name}-{fraction:g}"
-                cmd = _ours_cmd(args.ours_cmd, keys_file, budget, policy, args.out / f"data-{label}") if name == "ours" else \
-                    _peer_cmd(args.peer_bin, gguf, args.tenants, budget, args.peer_args)
-                print(f"\n[{label}] budget {budget / (1 << 20):,.0f} MiB ({fraction:.0%} of the working set)")
-                load_before = os.getloadavg()[0]
-                result = _replay_on(label, cmd, args, requests, scale)
-                print_replay(result)
-                load = (load_before, os.getloadavg()[0])
-                print(f"load average (1 min) {load[0]:.1f} before, {load[1]:.1f} after")
-                out["runs"].append({"server": name, "policy": policy, "fraction": fraction, "budget_bytes": budget,
-                                    "command": shlex.join(cmd(0)), "load_average": load, **result})
+                out["runs"].append(_measure(args, name, policy, fraction, budget, gguf, requests, scale))
                 _dump(args.out / "trace.json", out)
     if args.exact:
         sample = multi_turn_requests(requests, args.exact)
@@ -142,6 +132,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------- servers
+
+
+def _measure(
+    args: argparse.Namespace, name: str, policy: str, fraction: float, budget: int, gguf: str,
+    requests: Sequence[TraceRequest], scale: Scale,
+) -> dict[str, Any]:
+    """One server ("ours" with `policy`, or "peer") started at `budget`, the replay, the server stopped."""
+    label = f"{name}-{policy}-{fraction:g}" if name == "ours" else f"{name}-{fraction:g}"
+    keys_file = args.out / "keys.txt"
+    if name == "ours":
+        cmd = _ours_cmd(args.ours_cmd, keys_file, budget, policy, args.out / f"data-{label}")
+    else:
+        cmd = _peer_cmd(args.peer_bin, gguf, args.tenants, budget, args.peer_args)
+    print(f"\n[{label}] budget {budget / (1 << 20):,.0f} MiB ({fraction:.0%} of the working set)")
+    load_before = os.getloadavg()[0]
+    result = _replay_on(label, cmd, args, requests, scale)
+    print_replay(result)
+    load = (load_before, os.getloadavg()[0])
+    print(f"load average (1 min) {load[0]:.1f} before, {load[1]:.1f} after")
+    return {"server": name, "policy": policy, "fraction": fraction, "budget_bytes": budget,
+            "command": shlex.join(cmd(0)), "load_average": load, **result}
+
 
 Command = Callable[[int], list[str]]  # port -> argv
 
