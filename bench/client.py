@@ -72,12 +72,13 @@ class StreamResult:
 class BenchClient:
     """An httpx client bound to one server's base URL and API key."""
 
-    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+    def __init__(self, base_url: str, api_key: str, model: str, headers: dict[str, str] | None = None) -> None:
+        """`headers`: more headers on every request (a gateway's routing key, bench/cluster_bench.py)."""
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {api_key}"},
+            headers={"Authorization": f"Bearer {api_key}", **(headers or {})},
             timeout=httpx.Timeout(900.0, connect=10.0),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
         )
