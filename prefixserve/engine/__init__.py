@@ -188,7 +188,9 @@ def _build_core(
     model_id = model_config.served_model_name or loaded.name
     log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
              dtype, device, max_len, torch.get_num_threads(),
-             loaded.decoder.decode_kernel + ("" if loaded.decoder.decode_matches_prefill
+             loaded.decoder.decode_kernel + (" on int8 activations" if getattr(loaded.decoder, "decode_int8", False)
+                                             else "")
+             + ("" if loaded.decoder.decode_matches_prefill
                                              else " (a finished turn is re-fed by prefill before it is cached)"))
     return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
 

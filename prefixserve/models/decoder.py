@@ -123,9 +123,9 @@ class Decoder:
 
     @property
     def decode_kernel(self) -> str:
-        """"int4", "int4-i8" (on int8 activations) or "dense": what decode rows run (`--decode-kernel`,
-        /health)."""
-        return ("int4-i8" if self.decode_int8 else "int4") if self.int4_decode else "dense"
+        """"int4" or "dense": what decode rows run (`--decode-kernel`, /health); `decode_int8` says
+        whether the 4-bit step multiplies int8 activations."""
+        return "int4" if self.int4_decode else "dense"
 
     def kernel_fingerprint(self) -> str:
         """Everything of the runtime's own choices that changes a state's bits (dtype, device, decode
@@ -133,7 +133,8 @@ class Decoder:
         fingerprint (docs/cache.md)."""
         mm = "|mm=q4" if self.prefill_q4 else "" if self.matmul_dtype == self.dtype else f"|mm={self.matmul_dtype}"
         mm += "|mm=amx" if self.amx else ""
-        return (f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}|tiles={self.tiles}{mm}"
+        x8 = "-i8" if self.decode_int8 and self.int4_decode else ""
+        return (f"{self.dtype}|{self.device.type}|decode={self.decode_kernel}{x8}|tiles={self.tiles}{mm}"
                 f"|attn={self.attention_kernel}")
 
     def use_fp32_matmuls(self, q4: bool = True) -> None:

@@ -18,7 +18,8 @@ times each candidate here, on the machine that runs it, and keeps the fastest:
   "fp32" (qmatmul.c's fp32 dot products) or "int8" (rows rounded to int8 per 32 inputs, integer dot
   products: `qmatmul_x`), timed on `DECODE_STEPS` steps of one session at `DECODE_POSITION`. Decoded
   tokens' KV is never cached, so either keeps cached prefixes exact; the two give different logits
-  (int8 is llama.cpp's kind of arithmetic), and the kernel fingerprint names the one in force.
+  (int8 is llama.cpp's kind of arithmetic), and the kernel fingerprint names the one in force
+  (`decode=int4-i8`).
 
 The candidates are timed on one thread, and the verdict is remembered in
 `$XDG_CACHE_HOME/prefixserve/kernel-choice.json` under a key of what the timings depend on (native

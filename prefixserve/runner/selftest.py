@@ -93,7 +93,8 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
                 notes.append(f"calls stay on {torch.get_num_threads()} threads where ({'; '.join(threads_why)})")
             attention = "native" if dec.native_attention else "torch blocks"
             matmuls = getattr(dec, "matmuls", f"{dec.dtype} matmuls")  # models/decoder.py `use_fp32_matmuls`
-            notes.insert(0, f"exact: {matmuls} in row tiles {plan}, decode kernel {dec.decode_kernel}, "
+            x8 = " on int8 activations" if getattr(dec, "decode_int8", False) and dec.decode_kernel == "int4" else ""
+            notes.insert(0, f"exact: {matmuls} in row tiles {plan}, decode kernel {dec.decode_kernel}{x8}, "
                             f"attention {attention}, {KERNEL_THREADS.describe()}")
             if getattr(dec, "kernel_choice", ""):
                 notes.insert(1, dec.kernel_choice)

@@ -42,7 +42,7 @@ def main(out_path: str) -> None:
     from prefixserve.models import kernel_choice
 
     kernel_choice.apply_decode(m.decoder, "int8")
-    assert m.decoder.decode_kernel == "int4-i8"
+    assert m.decoder.decode_int8 and m.decoder.decode_kernel == "int4"
     st8 = runner.new_state()
     runner.step([StepItem(st8, ids)])
     assert st8.logits is not None
