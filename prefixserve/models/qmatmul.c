@@ -119,6 +119,46 @@ static inline __attribute__((always_inline)) void block_wide(int R, int q8, cons
     hsum_block(R, acc, out, ldo);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* block_wide's 4-bit arithmetic with AVX2's 16 registers: lanes 0-7 and 8-15 of a 16-lane chain are
+ * independent chains, so each half runs alone, for 2 rows x the 4 outputs at a time (8 accumulators,
+ * the rows' inputs in registers, the weights read from L1), each chain's fused multiply-adds in
+ * block_wide's order (fma(w, x, acc) is fma(x, w, acc)): the same bits, ~10% faster on AVX2 than
+ * the generic body (whose 16 accumulators of two halves spill) */
+static inline __attribute__((always_inline)) void block_wide_q4(int R, const float *x, int64_t ldx, int64_t K,
+                                                                const float *wb, float *out, int64_t ldo) {
+    vec acc[4][OB];
+    int64_t groups = K / 32;
+    for (int h = 0; h < 2; h++)
+        for (int rp = 0; rp < R; rp += 2) {
+            int RR = R - rp < 2 ? R - rp : 2;
+            __m256 a[2][OB];
+            for (int r = 0; r < 2; r++)
+                for (int j = 0; j < OB; j++) a[r][j] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                const float *w = wb + g * OB * 32 + 8 * h;
+                for (int r = 0; r < RR; r++) {
+                    const float *xr = x + (rp + r) * ldx + g * 32 + 8 * h;
+                    __m256 xl = _mm256_loadu_ps(xr), xh = _mm256_loadu_ps(xr + 16);
+                    for (int j = 0; j < OB; j++) {
+                        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + 32 * j), xl, a[r][j]);
+                        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + 32 * j + 16), xh, a[r][j]);
+                    }
+                }
+            }
+            for (int r = 0; r < RR; r++)
+                for (int j = 0; j < OB; j++) {
+                    if (h) acc[rp + r][j].hi = a[r][j];
+                    else acc[rp + r][j].lo = a[r][j];
+                }
+        }
+    hsum_block(R, acc, out, ldo);
+}
+#define WIDE_Q4(RR, xr, ldx, K, wb, yr, ldo) block_wide_q4(RR, xr, ldx, K, wb, yr, ldo)
+#else
+#define WIDE_Q4(RR, xr, ldx, K, wb, yr, ldo) block_wide(RR, 0, xr, ldx, K, wb, NULL, yr, ldo)
+#endif
+
 /* one block of OB outputs as fp32 weights wb [groups][OB][32] (codes 0..15, then 16..31) and, for
  * Q8, scales sc [groups][OB] */
 static void widen(int q8, int64_t K, const uint8_t *q, float *wb, float *sc) {
@@ -167,7 +207,8 @@ void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const 
             int R = r1 - r < 4 ? (int)(r1 - r) : 4;
             const float *xr = x + r * ldx;
             float *yr = out + r * ldo + o;
-#define BLOCK(RR, Q8) (wb ? block_wide(RR, Q8, xr, ldx, K, wb, sc, yr, ldo) : block(RR, Q8, xr, ldx, K, qo, yr, ldo))
+#define BLOCK(RR, Q8) (wb ? ((Q8) ? block_wide(RR, Q8, xr, ldx, K, wb, sc, yr, ldo) : WIDE_Q4(RR, xr, ldx, K, wb, yr, ldo)) \
+                          : block(RR, Q8, xr, ldx, K, qo, yr, ldo))
             /* one specialisation per row count and kind; the same arithmetic per row */
             if (q8) {
                 if (R == 4) BLOCK(4, 1); else if (R == 3) BLOCK(3, 1); else if (R == 2) BLOCK(2, 1); else BLOCK(1, 1);
