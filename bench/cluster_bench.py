@@ -45,6 +45,7 @@ from typing import Any
 
 import httpx
 from client import BenchClient, StreamResult
+from multiturn import common as common_prefix_len
 from prompts import PromptFactory, load_token_counter
 from servers import ServerProcess, free_port
 
@@ -124,15 +125,6 @@ def schedule(w: Workload) -> list[UserPlan]:
                                                              for _ in range(w.num_turns - 1))))
         t += rng.expovariate(1 / w.user_gap_s)
     return plans
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def percentile(values: list[float], q: float) -> float:

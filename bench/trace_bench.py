@@ -25,7 +25,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import signal
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from readme import cpu_name
 from serve_bench import _raise_interrupt, default_gguf
 from servers import ServerProcess, free_port
 from trace_model import (
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "command": shlex.join(["python", "bench/trace_bench.py", *(argv if argv is not None else sys.argv[1:])]),
         "trace": str(args.trace),
         "sample": args.sample,
@@ -200,14 +200,6 @@ def _exact(args: argparse.Namespace, sample: Sequence[TraceRequest], scale: Scal
         return compare(sample, scale, f"{a.base_url}/v1", f"{b.base_url}/v1", None, args.tenants, 1, scale.max_output)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _dump(path: Path, out: dict[str, Any]) -> None:
