@@ -78,7 +78,8 @@ def test_a_slow_redis_flush_runs_beside_the_engine(complete: bool) -> None:
     scope = FlushScope(tenant_id="a")
 
     async def go() -> tuple[Any, int, list[FlushScope], list[FlushScope]]:
-        stream = engine.generate(request("b"))
+        # long enough to outlast the flush at any decode speed (~1,800 tokens: 4-7 s at 250-450 tok/s)
+        stream = engine.generate(request("b", max_tokens=1800))
         await stream.__anext__()  # decoding
         flush = asyncio.ensure_future(engine.flush_cache(scope))
         await asyncio.sleep(0.3)
