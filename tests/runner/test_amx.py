@@ -76,7 +76,10 @@ def _loaded(folder: str, dtype: torch.dtype):
 def test_the_loader_takes_the_tiles_where_they_run(tiny_folder, monkeypatch):
     monkeypatch.delenv("PREFIXSERVE_DENSE_MATMUL", raising=False)
     dec = _loaded(tiny_folder, torch.bfloat16)
-    assert dec.amx == (native.amx_ready() and loader.cpu_has_native_bf16())
+    # auto times the candidates (models/kernel_choice.py): the tiles are one where they run, and taken
+    # exactly when they won (on a tiny model under load another candidate may win)
+    assert ("amx " in dec.kernel_choice) == (native.amx_ready() and loader.cpu_has_native_bf16())
+    assert dec.amx == ("matmul amx " in dec.kernel_choice)
     assert ("mm=amx" in dec.kernel_fingerprint()) == dec.amx  # the tiers keep its states apart
     assert not _loaded(tiny_folder, torch.float32).amx
     monkeypatch.setenv("PREFIXSERVE_DENSE_MATMUL", "bf16")  # torch's matmul
