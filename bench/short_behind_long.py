@@ -36,7 +36,7 @@ WORDS = ["the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "
 
 async def ttft(client: httpx.AsyncClient, prompt: str) -> float:
     """Seconds to the first streamed chunk with text of a greedy 1-token completion."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    body = {"model": client.headers["x-bench-model"], "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -60,6 +60,8 @@ async def measure(base_url: str, long_tokens: int, clients: int, rounds: int, se
     longs: list[float] = []
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600) as client:
+        models = (await client.get("/v1/models")).json()["data"]
+        client.headers["x-bench-model"] = models[0]["id"]  # read back by `ttft`, sent along harmlessly
         await ttft(client, "Warm up.")
         for r in range(rounds):
             long_prompt = " ".join(rng.choice(WORDS) for _ in range(int(long_tokens * 0.95))) + f" Round {r}."
