@@ -107,6 +107,7 @@ def choose(dec: Decoder, memo_dir: str | None = None) -> KernelChoice:
     """Time the candidates on `dec` (a bf16 CPU Llama-family decoder as built, nothing attached), or
     read the remembered verdict, and leave `dec` configured with the fastest. Mutates `dec`."""
     candidates = _candidates(dec)
+    wanted = decode_wanted(dec)  # before any candidate attaches its packs
     path = os.path.join(memo_dir or _default_memo_dir(), "kernel-choice.json")
     key = _key(dec, candidates)
     with _locked(path):  # one process times, the others wait and read its verdict
@@ -119,7 +120,7 @@ def choose(dec: Decoder, memo_dir: str | None = None) -> KernelChoice:
             torch.set_num_threads(1)  # one verdict per machine, whatever a process's thread settings
             try:
                 seconds = _time_candidates(dec, candidates)
-                if decode_wanted(dec) == "auto":
+                if wanted == "auto":
                     seconds.update(_time_decodes(dec))
             finally:
                 torch.set_num_threads(threads)
@@ -133,7 +134,6 @@ def choose(dec: Decoder, memo_dir: str | None = None) -> KernelChoice:
                             "seconds": seconds, "at": time.time()}
             _write(path, records)
     apply(dec, choice.matmul, choice.attention)
-    wanted = decode_wanted(dec)
     apply_decode(dec, choice.decode if wanted == "auto" else wanted)
     return choice
 
@@ -146,7 +146,6 @@ def decode_wanted(dec: Decoder) -> str:
         raise ValueError(f"PREFIXSERVE_DECODE_ACTIVATIONS must be auto, fp32 or int8, not {wanted!r}")
     from prefixserve.models import native_decode
 
-    dec._native_plan = False
     return wanted if dec.int4_decode and native_decode.plan_for(dec) is not None else "fp32"
 
 
