@@ -111,6 +111,18 @@ def median_p90(values: list[float]) -> tuple[float | None, float | None]:
 
 def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
     """Every row of the results table; a missing server yields empty cells, not an error."""
+    return [
+        *_ttft_rows(ours, peer, plan),
+        *_decode_rows(ours, peer, plan),
+        *_concurrency_rows(ours, peer, plan),
+        *_busy_rows(ours, peer, plan),
+        *_long_rows(ours, peer, plan),
+        *_process_rows(ours, peer),
+    ]
+
+
+def _ttft_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
+    """Cold, warm and partial TTFT at each system-prompt length."""
     rows: list[Row] = []
     for prompt_len in plan["prompt_lens"]:
         for label, key, ttft_target in _TTFT_ROWS:
@@ -126,6 +138,12 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
                     note=_cached_note(ours, f"{key}_{prompt_len}"),
                 )
             )
+    return rows
+
+
+def _decode_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
+    """Single-stream decode, and after a deep cached prompt."""
+    rows: list[Row] = []
     for max_tokens in plan["decode_max_tokens"]:
         key = f"decode_{max_tokens}"
         rows.append(
@@ -155,6 +173,12 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
                 note=_token_count_note(ours, peer, key),
             )
         )
+    return rows
+
+
+def _concurrency_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
+    """Aggregate decode and TTFT p90 at each number of clients."""
+    rows: list[Row] = []
     for num_clients in plan["concurrency_levels"]:
         key = f"concurrency_{num_clients}"
         # issue #12's target against llama-server (3x was set against the one-slot Python server)
@@ -185,6 +209,12 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
                 ratio_on_p90=True,
             )
         )
+    return rows
+
+
+def _busy_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
+    """Cold and warm TTFT with one core busy with another process."""
+    rows: list[Row] = []
     n = plan.get("contended_prompt_len")
     for label, key in (("Cold TTFT", "cold_ttft"), ("Warm TTFT", "warm_ttft")):
         if n is None:
@@ -201,7 +231,12 @@ def build_rows(ours: Raw | None, peer: Raw | None, plan: Raw) -> list[Row]:
                 note=_busy_note(ours, peer, key, n),
             )
         )
-    rows.extend(_long_rows(ours, peer, plan))
+    return rows
+
+
+def _process_rows(ours: Raw | None, peer: Raw | None) -> list[Row]:
+    """Start-up and peak RSS."""
+    rows: list[Row] = []
     rows.append(
         Row(
             "Start-up, second start: launch to serving /v1/models (median of 3)",

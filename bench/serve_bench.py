@@ -49,7 +49,7 @@ API_KEY = "bench-" + secrets.token_hex(8)
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so servers are stopped on `kill` too
+    signal.signal(signal.SIGTERM, raise_interrupt)  # so servers are stopped on `kill` too
     out = Path(args.out)
     raw_dir = out / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -291,7 +291,7 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
+def raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from readme import cpu_name
-from serve_bench import _raise_interrupt, default_gguf
+from serve_bench import raise_interrupt, default_gguf
 from servers import ServerProcess, free_port
 from trace_model import (
     SMOLLM2_KV_BYTES_PER_TOKEN,
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="the GGUF both serve (default: the embedded SmolLM2-135M)")
     p.add_argument("--exact", type=int, default=40, help="requests of the exactness check (0: none; default 40)")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so the servers are stopped on `kill` too
+    signal.signal(signal.SIGTERM, raise_interrupt)  # so the servers are stopped on `kill` too
 
     scale = Scale(block_tokens=args.block_tokens, max_output=args.max_output)
     with args.trace.open() as f:
