@@ -28,13 +28,13 @@ redis-server:
 		  $$root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 test: install redis-server
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The suite with torch and the native kernels held to AVX2 + FMA (an AMD Zen 3's set) on a wider CPU
 # (docs/exactness.md, "Every CPU class"); a new build of the kernels, and the kernel choice timed anew.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PREFIXSERVE_NATIVE_ISA=avx2
 test-avx2: install redis-server
-	$(AVX2_ENV) $(PY) -m pytest -q tests
+	$(AVX2_ENV) $(PY) -m pytest -q --durations=15 tests
 
 # The exactness, cache and hybrid tests with their models on a CUDA GPU (tests/conftest.py,
 # PREFIXSERVE_TEST_DEVICE). `make install` puts the CPU torch in .venv: run this with a Python whose

@@ -4,7 +4,7 @@
 
 Each configuration is `prefixserve generate` (greedy, 64 tokens) on the same ~2,000-token prompt in a
 fresh process with one environment setting: the default (prefill kernels chosen by timing,
-models/kernel_choice.py), each PREFIXSERVE_DENSE_MATMUL value the CPU offers, each
+models/llama/kernel_choice.py), each PREFIXSERVE_DENSE_MATMUL value the CPU offers, each
 PREFIXSERVE_DECODE_ACTIVATIONS value, and the torch kernels only (PREFIXSERVE_NATIVE=0). Rounds alternate the order; each configuration's best cold TTFT and
 decode rate are compared with the default's. The issue's bar: the default within 10% of the fastest
 on both. Every configuration passes the start-up self-test or says it did not.
@@ -33,7 +33,7 @@ def configurations(flags: str) -> dict[str, dict[str, str]]:
         out["amx"] = {"PREFIXSERVE_DENSE_MATMUL": "amx"}
     for name in ("q4", "fp32", "bf16"):
         out[name] = {"PREFIXSERVE_DENSE_MATMUL": name}
-    for name in ("fp32", "int8"):  # the 4-bit decode step's activations (models/kernel_choice.py)
+    for name in ("fp32", "int8"):  # the 4-bit decode step's activations (models/llama/kernel_choice.py)
         out[f"decode {name}"] = {"PREFIXSERVE_DECODE_ACTIVATIONS": name}
     out["torch only"] = {"PREFIXSERVE_NATIVE": "0"}
     return out

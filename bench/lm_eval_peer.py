@@ -41,7 +41,7 @@ PEER_BIN = ".peer/bin/llama-server"  # bench/peer.sh .peer
 
 
 def embedded_gguf() -> str:
-    from prefixserve.models.loader import embedded_model_path
+    from prefixserve.models.loaders.load import embedded_model_path
 
     return str(embedded_model_path())
 

@@ -6,7 +6,7 @@ replicas"; bench/cluster.sh and bench/cluster_bench.py start the gateway through
 
 With a keys file, SMG gets `--api-key <gateway key>` (the key it reads each replica's /v1/models with;
 the replicas hold it as tenant `smg-gateway`) and `--tenant-api-key TENANT:KEY` for every key in the
-file, read as the replicas read it (`prefixserve.server.auth`), so each tenant's key passes SMG and
+file, read as the replicas read it (`prefixserve.server.operator.auth`), so each tenant's key passes SMG and
 reaches the replica unchanged. SMG runs in this process (`smg.cli.main`), so the keys sit in its
 memory, not in /proc/<pid>/cmdline where every local user could read them. Without a keys file it is
 `smg launch <flags>` (open replicas register without a key).
@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from prefixserve.server.auth import parse_key_spec, read_keys_file
+from prefixserve.server.operator.auth import parse_key_spec, read_keys_file
 
 GATEWAY_TENANT = "smg-gateway"  # the replicas' tenant for the gateway's probes; no keys file may name it
 

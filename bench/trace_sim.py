@@ -11,7 +11,7 @@ Two granularities, both counted in prompt tokens served from the cache ("hit tok
   whole prefixes. Block LRU evicts the least recently used block, deeper first within a request: the
   leaf-first LRU of a radix cache at block granularity (SGLang's radix cache, vLLM's block pool).
 - **Entries** (`simulate_server`): the real `prefixserve.cache.PrefixCache` driven as the engine
-  drives it (engine/inserts.py): per request one lookup, then a boundary entry at the prompt's
+  drives it (engine/cache_writer.py): per request one lookup, then a boundary entry at the prompt's
   longest common prefix with its namespace (>= 16 tokens, unless an entry ends exactly there), the
   full prompt with its logits, and (`turns`) the finished turn, prompt + reply with logits. States
   are stand-ins whose storage mirrors runner/pieces.py: pieces cut at multiples of 64 tokens and at
@@ -37,7 +37,7 @@ from prefixserve.types import Namespace
 
 Unit = tuple[Hashable, int]  # (unit key, tokens)
 PIECE_TOKENS = 64  # runner/pieces.py PIECE_TOKENS
-MIN_BOUNDARY_TOKENS = 16  # engine/inserts.py MIN_BOUNDARY_TOKENS
+MIN_BOUNDARY_TOKENS = 16  # engine/cache_writer.py MIN_BOUNDARY_TOKENS
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,16 +41,16 @@ def session_tokens(max_session_bytes: int, kv_bytes_per_token: int) -> int:
 class ModelConfig:
     path: str | None = None  # None = the embedded SmolLM2 default
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto = bf16 (fp32 dense tiles where the CPU has no bf16 arithmetic: models/loader.py)
+    dtype: str = "auto"  # auto = bf16 (fp32 dense tiles where the CPU has no bf16 arithmetic: models/loaders/load.py)
     device: str = "auto"  # auto = cuda when present, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     num_threads: int | None = None  # None = torch's default
-    decode_threads: int | None = None  # threads of the big matmuls and attention (models/threads.py); None = every usable core
+    decode_threads: int | None = None  # threads of the big matmuls and attention (models/kernels/threads.py); None = every usable core
     # decode rows' matmuls: int4 = the GGUF's 4-bit codes (bf16 CPU; 4x fewer bytes, but a decoded
     # token's KV then differs from a prefilled one, so a finished turn is re-fed by prefill before it is
     # cached, engine/refill.py); dense = the same weights as prefill; auto = int4 where available
     decode_kernel: str = "auto"
-    cache_dir: str | None = None  # the prepared-model cache (models/prepared.py); None = prepare at every start
+    cache_dir: str | None = None  # the prepared-model cache (models/loaders/prepared.py); None = prepare at every start
     # run the start-up self-test even where a pass is recorded for this machine and build
     # (runner/selftest_memo.py); without a cache_dir it always runs
     fresh_self_test: bool = False
@@ -186,7 +186,7 @@ class ServerConfig:
     pricing_path: str | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without max_tokens generates at most this many
     max_stored_responses: int = 4096  # /v1/responses answers kept for previous_response_id (0: none)
-    # their SQLite file (server/response_disk.py); None: memory only, gone at restart (`serve` sets
+    # their SQLite file (server/openai/responses/disk.py); None: memory only, gone at restart (`serve` sets
     # <data_dir>/responses.sqlite3 unless --no-responses-persist)
     responses_path: str | None = None
     reasoning_parser: str = "auto"  # "auto": a thinking model's reasoning as reasoning_content; "none": as text

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # The one tenant of an open server (no API keys). Its id has characters no tenant name may hold
-# (server/auth.py: names are 1-64 of A-Z a-z 0-9 _ . : @ -) and no unnamed key's id has, so no key
+# (server/operator/auth.py: names are 1-64 of A-Z a-z 0-9 _ . : @ -) and no unnamed key's id has, so no key
 # file can give a tenant the open server's cached prompts, usage or stored responses.
 OPEN_TENANT_ID = "(open)"
 # The id an open server gave its tenant before that, which a key file could also name: ledgers and
-# stored-responses files of then are migrated once (ledger/store.py, server/response_disk.py).
+# stored-responses files of then are migrated once (ledger/store.py, server/openai/responses/disk.py).
 LEGACY_OPEN_TENANT_ID = "default"
 
 
@@ -126,7 +126,7 @@ class Request:
     num_choices: int = 1  # n: the prompt is prefilled once, each choice continues from its own copy
     # the client sends this turn back as text (a chat history, a text prompt + the completion): the
     # finished turn is cached as the tokenizer encodes its reply; False: as sampled (a prompt of token
-    # ids, whose client sends the ids back). engine/inserts.py offer_turn
+    # ids, whose client sends the ids back). engine/cache_writer.py offer_turn
     text_history: bool = True
     history: HistoryForm | None = None  # a chat's: how its template writes the reply back (None: as it follows the prompt)
     # likely to be continued: the prompt holds an earlier reply (a chat with an assistant turn), or offers tools

@@ -69,7 +69,7 @@ def embedded_fp32():
 
 def server_default_mode() -> str:
     """The mode `prefixserve serve` picks here with its defaults: bf16 (its dense tiles in fp32 on CPUs
-    without bf16 arithmetic, models/loader.py) with 4-bit decode rows where the self-test accepts
+    without bf16 arithmetic, models/loaders/load.py) with 4-bit decode rows where the self-test accepts
     them, else with dense decode, else fp32."""
     for mode in ("int4", "bf16"):
         try:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from prefixserve.benchmarks.cache_index import bench_lookup
 from prefixserve.cache import PrefixCache
-from prefixserve.cache.bench import bench_lookup
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import EngineCore
 from prefixserve.models import load_model, resolve_dtype

@@ -10,9 +10,10 @@ from typing import Any, cast
 import torch
 
 from prefixserve.engine import default_num_threads, usable_cores
-from prefixserve.models import load_model, native
-from prefixserve.models.loader import embedded_model_path
-from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.models import load_model
+from prefixserve.models.kernels import native
+from prefixserve.models.kernels.threads import KERNEL_THREADS
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.runner import ModelRunner, SessionState, StepItem
 from prefixserve.runner.selftest import self_test
 
@@ -192,7 +193,7 @@ def reference_model(dtype: torch.dtype):  # -> transformers.LlamaForCausalLM
     """The generic `transformers` Llama model holding the same dequantised weights as ours."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from prefixserve.models.gguf_loader import GGUFModel
+    from prefixserve.models.loaders.gguf import GGUFModel
 
     gm = GGUFModel(embedded_model_path())
     a = gm.arch

@@ -20,9 +20,9 @@ import torch
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import EngineCore
-from prefixserve.models.hybrid_arch import HybridConfig
-from prefixserve.models.hybrid_loader import build_hybrid
+from prefixserve.models.hybrid.config import HybridConfig
 from prefixserve.models.layers import TilePlan
+from prefixserve.models.loaders.hybrid_folder import build_hybrid
 from prefixserve.runner import ModelRunner
 from prefixserve.types import Delta, Namespace, Request, SamplingParams
 
@@ -79,7 +79,7 @@ def _shape_of(a: HybridConfig, name: str) -> tuple[int, ...]:
 def bench_hybrid(quick: bool, print_fn: Callable[[str], object] = print, layers: int = 24,
                  lengths: tuple[int, ...] = (600, 2000)) -> None:
     dtype = torch.float32
-    from prefixserve.models.loader import cpu_has_native_bf16
+    from prefixserve.models.loaders.load import cpu_has_native_bf16
 
     if cpu_has_native_bf16():
         dtype = torch.bfloat16

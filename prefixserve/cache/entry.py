@@ -1,17 +1,15 @@
-"""Entries and the named results of `PrefixCache.lookup` and `PrefixCache.insert`."""
+"""Entries, the index nodes that hold them (cache/index.py), and the named results of
+`PrefixCache.lookup` and `PrefixCache.insert`."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic
+from typing import Generic
 
 from prefixserve.cache.state import CachedState, S
 from prefixserve.types import Namespace
-
-if TYPE_CHECKING:
-    from prefixserve.cache.index import Node
 
 
 @dataclass(eq=False, slots=True)
@@ -46,6 +44,22 @@ class Entry(Generic[S]):
             f"Entry({self.namespace.tenant_id}/{self.namespace.cache_salt!r}, {self.num_tokens} tokens, "
             f"{kind}{logits}, {self.nbytes} B, pins={self.num_pins}, cached={self.is_cached})"
         )
+
+
+class Node(Generic[S]):
+    """A node of a namespace's radix tree (cache/index.py): the edge from its parent, its entry if any,
+    and the counts and resume-point marks of its subtree. Mutated by `RadixIndex` only."""
+
+    __slots__ = ("children", "depth", "edge", "entry", "marks", "num_truncatable", "parent")
+
+    def __init__(self, edge: tuple[int, ...], depth: int, parent: Node[S] | None) -> None:
+        self.edge = edge  # the tokens from the parent to here; () for the root
+        self.depth = depth  # tokens from the root to here
+        self.parent = parent
+        self.children: dict[int, Node[S]] = {}  # first token of the child's edge -> child
+        self.entry: Entry[S] | None = None
+        self.num_truncatable = 0  # truncatable entries in this subtree, own entry included
+        self.marks: list[tuple[int, Entry[S]]] = []  # resume points on this node's edge (module docstring)
 
 
 def resume_points(state: CachedState) -> tuple[int, ...]:

@@ -22,21 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic
 
-from prefixserve.cache.entry import Entry
+from prefixserve.cache.entry import Entry, Node
 from prefixserve.cache.state import S
-
-
-class Node(Generic[S]):
-    __slots__ = ("children", "depth", "edge", "entry", "marks", "num_truncatable", "parent")
-
-    def __init__(self, edge: tuple[int, ...], depth: int, parent: Node[S] | None) -> None:
-        self.edge = edge  # the tokens from the parent to here; () for the root
-        self.depth = depth  # tokens from the root to here
-        self.parent = parent
-        self.children: dict[int, Node[S]] = {}  # first token of the child's edge -> child
-        self.entry: Entry[S] | None = None
-        self.num_truncatable = 0  # truncatable entries in this subtree, own entry included
-        self.marks: list[tuple[int, Entry[S]]] = []  # resume points on this node's edge (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,32 +180,32 @@ class RadixIndex(Generic[S]):
         count = 0
         marks: list[tuple[int, int]] = []
         stack: list[tuple[Node[S], tuple[int, ...]]] = [(self.root, ())]
-        _require(self.root.entry is None and self.root.edge == (), "the root holds no entry or edge")
+        require(self.root.entry is None and self.root.edge == (), "the root holds no entry or edge")
         while stack:
             node, path = stack.pop()
-            _require(node.depth == len(path), f"node depth {node.depth} != path length {len(path)}")
+            require(node.depth == len(path), f"node depth {node.depth} != path length {len(path)}")
             num_truncatable = 0
             if node.entry is not None:
                 count += 1
                 entry = node.entry
-                _require(entry.node is node and entry.is_cached, f"{entry} does not point back to its node")
-                _require(entry.token_ids == path, f"{entry} filed under another key")
+                require(entry.node is node and entry.is_cached, f"{entry} does not point back to its node")
+                require(entry.token_ids == path, f"{entry} filed under another key")
                 num_truncatable += entry.truncatable
             elif node.parent is not None:
-                _require(len(node.children) >= 2, f"uncompressed node at depth {node.depth}")
+                require(len(node.children) >= 2, f"uncompressed node at depth {node.depth}")
             for first, child in node.children.items():
-                _require(child.parent is node, "child's parent pointer is wrong")
-                _require(len(child.edge) > 0 and child.edge[0] == first, "child filed under another token")
+                require(child.parent is node, "child's parent pointer is wrong")
+                require(len(child.edge) > 0 and child.edge[0] == first, "child filed under another token")
                 num_truncatable += child.num_truncatable
                 stack.append((child, path + child.edge))
-            _require(node.num_truncatable == num_truncatable, f"num_truncatable wrong at depth {node.depth}")
+            require(node.num_truncatable == num_truncatable, f"num_truncatable wrong at depth {node.depth}")
             low = -1 if node.parent is None else node.parent.depth
             for depth, owner in node.marks:
-                _require(low < depth <= node.depth and owner.token_ids[:node.depth] == path, "mark off its edge")
+                require(low < depth <= node.depth and owner.token_ids[:node.depth] == path, "mark off its edge")
                 marks.append((depth, id(owner)))
-        _require(count == self.num_entries, f"num_entries {self.num_entries} != {count} in the tree")
+        require(count == self.num_entries, f"num_entries {self.num_entries} != {count} in the tree")
         points = [(p, id(e)) for e in self.entries() for p in e.points]
-        _require(sorted(marks) == sorted(points), "marks != the entries' resume points")
+        require(sorted(marks) == sorted(points), "marks != the entries' resume points")
         return count
 
     def _descend(self, key: tuple[int, ...]) -> tuple[Node[S], int, int]:
@@ -285,6 +272,7 @@ def _merge_into_child(node: Node[S]) -> None:
     node.children = {}
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
+    """An invariant check that stays on under `python -O`: AssertionError(`message`) unless `condition`."""
     if not condition:
         raise AssertionError(message)

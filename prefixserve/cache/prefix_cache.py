@@ -14,7 +14,7 @@ from typing import Generic
 
 from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, InsertStatus, Miss, resume_points
 from prefixserve.cache.eviction import LRUOrder, make_order
-from prefixserve.cache.index import RadixIndex, _require
+from prefixserve.cache.index import RadixIndex, require
 from prefixserve.cache.listener import CacheListener
 from prefixserve.cache.room import plan_room
 from prefixserve.cache.state import S
@@ -254,20 +254,20 @@ class PrefixCache(Generic[S]):
         once, globally and per namespace); the budget holds; pin counts are >= 0. Does not mutate.
         Costs O(cached tokens): for tests and debugging."""
         max_bytes = self.config.max_bytes
-        _require(self._ledger.num_bytes <= max_bytes, f"{self._ledger.num_bytes} B over budget {max_bytes}")
+        require(self._ledger.num_bytes <= max_bytes, f"{self._ledger.num_bytes} B over budget {max_bytes}")
         by_space: dict[Namespace, list[Entry[S]]] = {}
         for entry in self._lru:
-            _require(entry.is_cached and entry.node is not None, f"{entry} in the LRU but not indexed")
-            _require(entry.num_pins >= 0, f"{entry} has a negative pin count")
-            _require(entry.nbytes == sum(n for _, n in entry.pieces), f"{entry} nbytes != its pieces")
-            _require(entry.namespace in self._spaces, f"{entry} belongs to an unknown namespace")
+            require(entry.is_cached and entry.node is not None, f"{entry} in the LRU but not indexed")
+            require(entry.num_pins >= 0, f"{entry} has a negative pin count")
+            require(entry.nbytes == sum(n for _, n in entry.pieces), f"{entry} nbytes != its pieces")
+            require(entry.namespace in self._spaces, f"{entry} belongs to an unknown namespace")
             by_space.setdefault(entry.namespace, []).append(entry)
         self._ledger.check(entry.pieces for entry in self._lru)
         self._order.check()
         for ns, space in self._spaces.items():
             space.index.check()
             members = by_space.get(ns, [])
-            _require(
+            require(
                 {id(e) for e in space.index.entries()} == {id(e) for e in members},
                 f"index of {ns} disagrees with the LRU",
             )

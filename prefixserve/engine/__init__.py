@@ -1,4 +1,6 @@
-"""Scheduler + engine loop; ties the cache, the runner and the tokenizer together."""
+"""The engine: `build_engine` loads the model, self-tests it, opens the cache tiers and starts the
+engine thread around an `EngineCore` (engine/core.py: the scheduler, cache writer and output
+processor it wires); `AsyncEngine` (engine/async_engine.py) is the server's view of it."""
 
 from __future__ import annotations
 
@@ -12,8 +14,13 @@ from prefixserve.engine.protocol import EngineClient, EngineHealth
 
 if TYPE_CHECKING:
     from prefixserve.cache import CacheListener
+    from prefixserve.cache.disk import DiskTier
+    from prefixserve.cache.shared import SharedTier
     from prefixserve.engine.async_engine import AsyncEngine
     from prefixserve.engine.core import EngineCore
+    from prefixserve.engine.grammar import GrammarCompiler
+    from prefixserve.runner import ModelRunner
+    from prefixserve.runner.selftest import SelfTestResult
 
 log = logging.getLogger("prefixserve.engine")
 
@@ -91,25 +98,77 @@ def _build_core(
     model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig, progress: Progress,
     cache_listener: CacheListener | None,
 ) -> tuple[EngineCore, str, Any, str, int]:
-    """Runs on the engine's TorchThread, which all later torch work uses too."""
+    """Runs on the engine's TorchThread, which all later torch work uses too: the runtime's threads and
+    kernels, the model and its self-test, the cache tiers, then the core. Returns the core, the served
+    model's id, the server's tokenizer, the self-test's verdict and the vocabulary's size."""
     import torch
 
     from prefixserve.cache import PrefixCache
     from prefixserve.engine.core import EngineCore
-    from prefixserve.engine.grammar import build_beside
-    from prefixserve.models import load_model, native, resolve_device, resolve_dtype
-    from prefixserve.models.threads import KERNEL_THREADS
-    from prefixserve.runner import ModelRunner
-    from prefixserve.runner.selftest import SelfTestResult
-    from prefixserve.runner.selftest_memo import remembered_self_test
+
+    device, dtype = _prepare_runtime(model_config, progress)
+    loaded, runner, result, grammars, dtype = _load_self_tested(model_config, device, dtype, progress)
+    disk, shared = _open_tiers(cache_config, loaded, device, progress)
+    max_len = _context_length(model_config, loaded.arch.max_position)
+    if cache_config.max_bytes == 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
+        log.warning("--cache-max-bytes 0 turns caching off: the disk and shared tiers are neither written nor read")
+    compiler = grammars()  # before the tokenizer's copy below: the build reads the tokenizer
+    core = EngineCore(
+        runner=runner,
+        tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
+        cache=PrefixCache(cache_config, cache_listener),
+        config=engine_config,
+        max_model_len=max_len,
+        emit=lambda rid, d: None,
+        exact_reuse=result.ok,
+        disk=disk,
+        shared=shared,
+        grammars=compiler,
+    )
+    model_id = model_config.served_model_name or loaded.name
+    log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
+             dtype, device, max_len, torch.get_num_threads(),
+             loaded.decoder.decode_kernel + (" on int8 activations" if getattr(loaded.decoder, "decode_int8", False)
+                                             else "")
+             + ("" if loaded.decoder.decode_matches_prefill
+                                             else " (a finished turn is re-fed by prefill before it is cached)"))
+    return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
+
+
+def _prepare_runtime(model_config: ModelConfig, progress: Progress) -> tuple[str, Any]:
+    """Set torch's and the decode kernels' threads, resolve the device and dtype, and build or load
+    the native kernels on a CPU (once per source, compiler and CPU; the load and the self-test use
+    them). Returns (device, dtype)."""
+    import torch
+
+    from prefixserve.models import resolve_device, resolve_dtype
+    from prefixserve.models.kernels import native
+    from prefixserve.models.kernels.threads import KERNEL_THREADS
 
     torch.set_num_threads(model_config.num_threads or default_num_threads())
     KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype)
-    if device == "cpu":  # built once per source, compiler and CPU; the load and the self-test use them
+    if device == "cpu":
         progress("native_kernels", f"native kernels: building or loading them ({native.build_dir()})")
         native.library()
+    return device, dtype
+
+
+def _load_self_tested(
+    model_config: ModelConfig, device: str, dtype: Any, progress: Progress,
+) -> tuple[Any, ModelRunner, SelfTestResult, Callable[[], GrammarCompiler | None], Any]:
+    """Load the model and run the invariance self-test (its verdict remembered under the prepared-model
+    cache); with --dtype auto, a failed non-fp32 mode is loaded again in fp32 and tested. The grammar
+    compiler is built beside the first self-test (it holds the GIL: never beside a step). Returns
+    (loaded model, runner, self-test result, the compiler's waiter, dtype)."""
+    import torch
+
+    from prefixserve.engine.grammar import build_beside
+    from prefixserve.models import load_model
+    from prefixserve.runner import ModelRunner
+    from prefixserve.runner.selftest_memo import remembered_self_test
+
     model_name = os.path.basename(model_config.path) if model_config.path else "the embedded model"
     cache_note = (f"from or into the prepared-model cache {model_config.cache_dir}" if model_config.cache_dir
                   else "without the prepared-model cache")
@@ -141,58 +200,50 @@ def _build_core(
     (log.info if result.ok else log.error)("self-test (%.1fs%s): %s", result.seconds,
                                            f", remembered: {result.remembered}" if result.remembered else "",
                                            result.detail)
-    disk = shared = None
-    if cache_config.max_bytes > 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
-        progress("cache_tiers", "opening the cache tiers (" + ", ".join(
-            ([f"disk {cache_config.disk_dir}"] if cache_config.disk_max_bytes > 0 else [])
-            + (["shared (Redis)"] if cache_config.shared is not None else [])) + ")")
-        from prefixserve import __version__
-        from prefixserve.cache.tier import TierKeys
-        from prefixserve.runner.codec import SnapshotCodec
+    return loaded, runner, result, grammars, dtype
 
-        fingerprint = tier_fingerprint(loaded.path, loaded.decoder, loaded.identity)
-        # the names of namespaces and prefixes: keyed by the deployment secret where there is one (the
-        # disk then names its files as the replicas name Redis keys), else by the disk directory's key
-        keys = None if cache_config.shared is None else TierKeys.from_secret(cache_config.shared.secret)
-        if cache_config.disk_max_bytes > 0:
-            from prefixserve.cache.disk import DiskTier
 
-            assert cache_config.disk_dir is not None
-            disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__,
-                            SnapshotCodec(device), keys)
-        if cache_config.shared is not None:
-            from prefixserve.cache.shared import SharedTier
+def _open_tiers(cache_config: CacheConfig, loaded: Any, device: str, progress: Progress
+                ) -> tuple[DiskTier | None, SharedTier | None]:
+    """The disk and shared (Redis) tiers the config asks for, each None when off (and both while the
+    RAM cache is off), under one fingerprint (`tier_fingerprint`). Returns (disk, shared)."""
+    disk: DiskTier | None = None
+    shared: SharedTier | None = None
+    if cache_config.max_bytes == 0 or (cache_config.disk_max_bytes == 0 and cache_config.shared is None):
+        return disk, shared
+    progress("cache_tiers", "opening the cache tiers (" + ", ".join(
+        ([f"disk {cache_config.disk_dir}"] if cache_config.disk_max_bytes > 0 else [])
+        + (["shared (Redis)"] if cache_config.shared is not None else [])) + ")")
+    from prefixserve import __version__
+    from prefixserve.cache.tier import TierKeys
+    from prefixserve.runner.codec import SnapshotCodec
 
-            shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec(device), keys)
-    max_len = loaded.arch.max_position
+    fingerprint = tier_fingerprint(loaded.path, loaded.decoder, loaded.identity)
+    # the names of namespaces and prefixes: keyed by the deployment secret where there is one (the
+    # disk then names its files as the replicas name Redis keys), else by the disk directory's key
+    keys = None if cache_config.shared is None else TierKeys.from_secret(cache_config.shared.secret)
+    if cache_config.disk_max_bytes > 0:
+        from prefixserve.cache.disk import DiskTier
+
+        assert cache_config.disk_dir is not None
+        disk = DiskTier(cache_config.disk_dir, cache_config.disk_max_bytes, fingerprint, __version__,
+                        SnapshotCodec(device), keys)
+    if cache_config.shared is not None:
+        from prefixserve.cache.shared import SharedTier
+
+        shared = SharedTier(cache_config.shared, fingerprint, __version__, SnapshotCodec(device), keys)
+    return disk, shared
+
+
+def _context_length(model_config: ModelConfig, max_position: int) -> int:
+    """The context: the model's positions, or fewer where --max-model-len asks (more is warned about)."""
+    max_len = max_position
     if model_config.max_model_len is not None:
         if model_config.max_model_len > max_len:
             log.warning("--max-model-len %d is beyond the model's %d positions: the context is %d tokens",
                         model_config.max_model_len, max_len, max_len)
         max_len = min(max_len, model_config.max_model_len)
-    if cache_config.max_bytes == 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
-        log.warning("--cache-max-bytes 0 turns caching off: the disk and shared tiers are neither written nor read")
-    compiler = grammars()  # before the tokenizer's copy below: the build reads the tokenizer
-    core = EngineCore(
-        runner=runner,
-        tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
-        cache=PrefixCache(cache_config, cache_listener),
-        config=engine_config,
-        max_model_len=max_len,
-        emit=lambda rid, d: None,
-        exact_reuse=result.ok,
-        disk=disk,
-        shared=shared,
-        grammars=compiler,
-    )
-    model_id = model_config.served_model_name or loaded.name
-    log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
-             dtype, device, max_len, torch.get_num_threads(),
-             loaded.decoder.decode_kernel + (" on int8 activations" if getattr(loaded.decoder, "decode_int8", False)
-                                             else "")
-             + ("" if loaded.decoder.decode_matches_prefill
-                                             else " (a finished turn is re-fed by prefill before it is cached)"))
-    return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
+    return max_len
 
 
 def tier_fingerprint(model_path: str, decoder: Any, identity: str | None = None) -> str:
@@ -202,7 +253,7 @@ def tier_fingerprint(model_path: str, decoder: Any, identity: str | None = None)
     whose digest `system_fingerprint` carries too. A disk file or Redis value of any other
     fingerprint is dropped, never served. The kernel choices are spelled out for the logs.
     `identity`: the model's digest when the loader already read every byte for it (not read again)."""
-    from prefixserve.models.prepared import file_identity  # a digest of the model's bytes
+    from prefixserve.models.loaders.prepared import file_identity  # a digest of the model's bytes
     from prefixserve.runner.identity import runtime_identity
 
     runtime = runtime_identity(decoder)

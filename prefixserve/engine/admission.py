@@ -4,7 +4,7 @@
 A request waits in two places before it runs: the inbox (handed over by the event loop; the engine
 thread takes it in between two steps, so arrivals during a prefill step of seconds stay there) and the
 core's queue. It is *waiting* in either. It is *queued* only if the next admission would not start it:
-admission (EngineCore._admit) starts requests in `FairShare` order while a session slot is free
+admission (engine/scheduler.py `Scheduler.admit`) starts requests in `FairShare` order while a session slot is free
 (`max_num_seqs`) and the prompt + max_tokens of KV fits the session bytes left (any size while nothing
 runs), and stops at the first that does not fit, so every one behind it waits too. `--max-queued-requests`
 bounds the queued ones: a burst that free slots will take at the next step is never refused. Past
@@ -32,18 +32,15 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from prefixserve.cache import Hit
-from prefixserve.engine.session import Phase, Session, kv_bytes_needed, slots_needed
-from prefixserve.types import Overloaded, Request, lcp
+from prefixserve.engine.session import Session
+from prefixserve.types import Overloaded, Request
 
 if TYPE_CHECKING:
-    from prefixserve.engine.core import EngineCore
     from prefixserve.engine.grammar import TokenMatcher
 
 RETRY_AFTER_S = 2  # a 429's Retry-After: about one step
-FOLLOW_MIN_TOKENS = 64  # a request waits for a prompt under way only to be served at least this many more tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,53 +111,9 @@ class FairShare:
         self._last[s.request.namespace.tenant_id] = self._clock
 
 
-def follows(core: EngineCore, s: Session) -> bool:
-    """Whether `s` should wait for a prompt being prefilled in its own namespace instead of starting:
-    once that prompt is computed its entry serves `s` at least `FOLLOW_MIN_TOKENS` more tokens than the
-    cache does now, and those are at least half of what the leader has left to compute (so the wait is
-    mostly the tokens `s` would compute anyway). A burst of requests opening with one new system prompt
-    computes it once, not once each: the first prefills, the others start as its prefill ends and hit
-    it (the learning sequence, in a burst). Never across namespaces: another tenant's or salt's prompts
-    cannot delay a request, so waiting tells nothing about them. Shared prefixes are memoised per
-    leader (`Session.shared_with`); the cache is asked only when one is long enough."""
-    req = s.request
-    if not core._reuses(req) or core.cache.config.max_bytes == 0:
-        return False
-    have = -1
-    for r in core.running:
-        if r.phase is not Phase.PREFILL or r.request.namespace != req.namespace:
-            continue
-        shared = s.shared_with.get(r.request.request_id)
-        if shared is None:
-            shared = s.shared_with[r.request.request_id] = lcp(req.prompt_ids, r.request.prompt_ids)
-        if shared < FOLLOW_MIN_TOKENS:
-            continue
-        if have < 0:
-            hit = core.cache.peek(req.namespace, req.prompt_ids)
-            have = hit.num_cached_tokens if isinstance(hit, Hit) else 0
-        extra = shared - have
-        if extra >= FOLLOW_MIN_TOKENS and 2 * extra >= r.prompt_len - r.num_computed:
-            return True
-    return False
-
-
-def room(core: EngineCore) -> Room:
-    """The core's room now. Call on the engine thread, between mutations."""
-    per_token = core.runner.kv_bytes_per_token()
-    return Room(
-        num_running=core.num_running(),
-        num_free_slots=core.config.max_num_seqs - sum(slots_needed(s) for s in core.running),
-        num_free_bytes=core.config.max_session_bytes - core._reserved_bytes,
-        # back from a lower tier's load (engine/disk_loads.py), a request holds its reservation already
-        waiting=tuple(Waiting(s.request.request_id, kv_bytes_needed(s.request, core.max_model_len, per_token)
-                              - s.reserved_bytes, slots_needed(s), s.request.namespace.tenant_id)
-                      for s in core.fair.order(core.running, core.waiting)),
-    )
-
-
 def num_queued(room: Room, pending: Iterable[Waiting]) -> int:
     """Of the core's queue then `pending` (the inbox, in order): how many the next admission would
-    leave waiting, as EngineCore._admit decides. Pure."""
+    leave waiting, as `Scheduler.admit` decides. Pure."""
     return _queued(room, [*room.waiting, *pending])
 
 
@@ -172,6 +125,18 @@ def _queued(room: Room, waiting: list[Waiting]) -> int:
             return len(waiting) - k
         slots, free, running = slots - w.slots, free - w.need, True
     return 0
+
+
+class Queue(Protocol):
+    """What `AdmissionQueue.take` moves a request into: the engine's own queue (EngineCore)."""
+
+    def add(self, request: Request, matcher: TokenMatcher | None = None) -> None:
+        """Queue a validated request (its constraint's `matcher` compiled beforehand, or None)."""
+        ...
+
+    def room(self) -> Room:
+        """The admission state now (engine thread, between mutations)."""
+        ...
 
 
 class AdmissionQueue:
@@ -206,7 +171,7 @@ class AdmissionQueue:
             self.peak = max(self.peak, self._room.num_running + len(waiting) + 1)
             self._recount()
 
-    def take(self, core: EngineCore, request: Request, matcher: TokenMatcher | None = None) -> None:
+    def take(self, core: Queue, request: Request, matcher: TokenMatcher | None = None) -> None:
         """Engine thread: move the inbox's oldest request into the core's queue (`EngineCore.add`, with
         its constraint's `matcher` compiled beforehand, not under the lock), then take it out of the inbox
         and publish the core's room with it, as one change for the readers: until then they count it in
@@ -215,7 +180,7 @@ class AdmissionQueue:
         try:
             core.add(request, matcher)
         finally:
-            now = room(core)
+            now = core.room()
             with self._lock:
                 if self._pending.pop(rid, None) is None and any(w.request_id == rid for w in now.waiting):
                     self._gone.add(rid)  # its client left while it was being queued: it counts no more

@@ -60,7 +60,7 @@ class AsyncEngine:
         self._fingerprint = self._digest()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # the inbox's requests and the core's room: what waits, what is queued (engine/admission.py)
-        self._admission = admission.AdmissionQueue(admission.room(core))
+        self._admission = admission.AdmissionQueue(core.room())
         self._wake = threading.Event()
         self._eager = EagerShare()  # a busy engine's time for eager turn refills (engine/refill.py)
         self._streams = Streams()
@@ -134,7 +134,7 @@ class AsyncEngine:
         engine thread, between steps; then Redis's SCAN on a worker thread while the engine serves
         on, its sessions kept from reading the scope there until it ends (engine/control.py)."""
         fut: Future[FlushReport] = Future()
-        self._submit("call", (lambda: control.flush_local(self.core, scope), fut))
+        self._submit("call", (lambda: self.core.flush_local(scope), fut))
         local = await asyncio.wrap_future(fut)
         shared = self.core.shared
         if shared is None:
@@ -187,7 +187,7 @@ class AsyncEngine:
         queue bound reads. A failure keeps the last ones (a metrics bug must not stop the engine)."""
         try:
             self._snapshot = metrics_snapshot.take(self.core)
-            self._admission.publish(admission.room(self.core))
+            self._admission.publish(self.core.room())
         except Exception:
             log.exception("publishing the engine's metrics failed")
 
@@ -243,7 +243,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         """The engine loop. A failed step fails only the requests it concerns (engine/step_record.py,
-        control.recover); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
+        EngineCore.recover); a failure of the loop's own bookkeeping, or MAX_FAILED_STEPS failed steps
         in a row, stops the engine: /health turns 503 and every open request ends with the error."""
         failed_in_a_row, worked, last_work = 0, False, 0.0
         try:
@@ -278,7 +278,7 @@ class AsyncEngine:
                             self.core.abort_all(FinishReason.ERROR, error=message)
                             failed_in_a_row = 0
                         else:
-                            control.recover(self.core, message)
+                            self.core.recover(message)
         except Exception as e:  # the loop itself broke: nothing can be trusted to run any more
             log.exception("the engine loop stopped")
             self._die(f"{type(e).__name__}: {e}")

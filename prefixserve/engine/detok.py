@@ -16,7 +16,7 @@ class IncrementalDetokenizer:
     the tokens of a stop string that was cut (engine/outputs.py).
 
     `skip` (open, close): stop strings do not match in text from an `open` to its `close` (or to the
-    end while unclosed), tags included: a tool call (server/tools.py) is never cut by a stop string
+    end while unclosed), tags included: a tool call (server/openai/tools.py) is never cut by a stop string
     meant for the reply's text. A stop string that reaches into a possible start of `open` waits
     until the tag is told apart.
     """

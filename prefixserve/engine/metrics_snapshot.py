@@ -52,7 +52,7 @@ def take(core: EngineCore) -> MetricsSnapshot:
         "completion_tokens": float(c.num_completion_tokens),
         "running": float(core.num_running()),  # waiting and queued: AsyncEngine.metrics (engine/admission.py)
         "exact_reuse": 1.0 if core.exact_reuse else 0.0,
-        "reserved_session_bytes": float(core._reserved_bytes),
+        "reserved_session_bytes": float(core.scheduler.reserved_bytes),
         "refill_bytes": float(core.refills.nbytes()),
         "max_session_bytes": float(core.config.max_session_bytes),
         # per tier (docs/cache.md, "Metrics"): RAM's figures under their tier name
@@ -61,7 +61,7 @@ def take(core: EngineCore) -> MetricsSnapshot:
         "cache_ram_evictions": float(st.num_evictions),
         "cache_ram_flushed": float(st.num_flushed),
     }
-    return MetricsSnapshot(values, core.waiting[0].arrival if core.waiting else None)
+    return MetricsSnapshot(values, core.scheduler.oldest_arrival())
 
 
 def read(core: EngineCore, snap: MetricsSnapshot, peak_requests: int) -> dict[str, float]:

@@ -33,7 +33,7 @@ class EngineHealth:
     num_running: int  # sessions running
     num_waiting: int  # requests not started yet: in the engine's queue, or handed over and not yet taken in
     num_queued: int = 0  # of those, the ones the next step could not start (no free slot or session bytes)
-    decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/quant.py)
+    decode_kernel: str = "dense"  # int4: decode rows run the model's 4-bit weights (models/kernels/int4.py)
     fingerprint: str = ""  # responses' system_fingerprint: model, dtype, kernels, self-test verdict
     dtype: str = ""  # the runtime dtype the self-test chose ("bfloat16" / "float32")
     tiles: str = ""  # row tiles of every dense matmul (docs/exactness.md), e.g. "64"
@@ -67,7 +67,7 @@ class FlushReport:
 
 class TokenizerLike(Protocol):
     eos_token_ids: tuple[int, ...]
-    thinks: bool  # its chat template and vocabulary have <think> ... </think> (server/reasoning.py)
+    thinks: bool  # its chat template and vocabulary have <think> ... </think> (server/openai/reasoning.py)
     think_end_id: int | None  # </think>'s token id when it thinks: usage's reasoning_tokens count through it
 
     def encode(self, text: str) -> list[int]: ...
@@ -76,7 +76,7 @@ class TokenizerLike(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for: part of a UTF-8 character for some byte-level tokens,
-        which decoding the single id turns into U+FFFD (logprobs' `bytes`, server/logprobs.py)."""
+        which decoding the single id turns into U+FFFD (logprobs' `bytes`, server/openai/logprobs.py)."""
         ...
 
     def next_turn(self, prompt_ids: Sequence[int], reply_ids: Sequence[int],

@@ -74,7 +74,7 @@ class TurnRefills:
 
     def shed(self, limit: int) -> None:
         """Drop the oldest pending refills until the rest hold at most `limit` bytes: what the session
-        budget leaves beside the running sessions' reservations (as EngineCore._admit reserves, and as a
+        budget leaves beside the running sessions' reservations (as `Scheduler.admit` reserves, and as a
         session finishes: engine/outputs.py). Without it eight
         finished long turns held their KV beyond every budget (QA: RSS ~400 MiB past the bound in docs/operations.md, "Memory")."""
         while self._queue and self.nbytes() > limit:

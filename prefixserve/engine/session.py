@@ -48,7 +48,7 @@ class Session:
     # boundary                   where a boundary entry is inserted (0 = none); prefill chunks
     #                            end there, so snapshot-only states could be taken on the way
     # checkpoints                where a snapshot-only state keeps a recurrent checkpoint (chunks
-    #                            end there too; engine/inserts.py plan, docs/hybrid.md)
+    #                            end there too; engine/cache_writer.py plan, docs/hybrid.md)
     """
 
     request: Request
@@ -67,7 +67,7 @@ class Session:
     num_tiers_asked: int = 0  # lower tiers (disk, then shared) asked so far, each once (engine/disk_loads.py)
     cacheable: bool = True  # False once its namespace was flushed: it must not re-seed the cache
     finish_reason: FinishReason | None = None
-    reserved_bytes: int = 0  # KV bytes admission reserved for it (EngineCore.session_bytes)
+    reserved_bytes: int = 0  # KV bytes admission reserved for it (Scheduler.admit)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     index: int = 0  # which choice of the request (n > 1: choice 0 forks the others after the prompt)
@@ -76,7 +76,7 @@ class Session:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far (sampling.prompt_logprobs)
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of output tokens whose text is not settled
     num_logprobs_out: int = 0  # output tokens whose logprobs went out (engine/outputs.py settled_logprobs)
-    shared_with: dict[str, int] = field(default_factory=dict)  # prompt prefilling -> tokens shared (admission.follows)
+    shared_with: dict[str, int] = field(default_factory=dict)  # prompt prefilling -> tokens shared (Scheduler.follows)
 
     @property
     def prompt_len(self) -> int:

@@ -5,11 +5,12 @@ phase it is in and which sessions the forward was handed, with the decode token 
 Every piece of per-session work runs `guarded`: a fault in one session's admission (its cache
 lookup, copy, turn refill, lower-tier load), its deferred restore, its batch item, or after the
 forward its sampling, grammar matcher, n > 1 fork or cache inserts (RAM and the tiers' writes) ends
-that session's request only (`fail_request`: every choice, with the error and the usage so far), and
-the step goes on for the others. What is left is shared work (the forward itself, the plan of the
-batch): when it raises, `control.recover` reads this step's record, never an earlier one's, and puts
-the sessions back as they were before the step, their decode tokens to feed again, so the step is
-retried; a token that went out is never fed twice, and none is dropped.
+that session's request only (the `fail` it is given, `OutputProcessor.fail_request`: every choice,
+with the error and the usage so far), and the step goes on for the others. What is left is shared work
+(the forward itself, the plan of the batch): when it raises, `control.recover` reads this step's
+record, never an earlier one's, and puts the sessions back as they were before the step, their
+decode tokens to feed again, so the step is retried; a token that went out is never fed twice, and
+none is dropped.
 """
 
 from __future__ import annotations
@@ -17,15 +18,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prefixserve.engine.session import Phase, Session
-from prefixserve.types import FinishReason
-
-if TYPE_CHECKING:
-    from prefixserve.engine.core import EngineCore
 
 log = logging.getLogger("prefixserve.engine")
 
@@ -77,27 +73,15 @@ def stuck(s: Session) -> bool:
     return s.phase is Phase.PREFILL and s.state is not None and s.remaining_prompt() == 0
 
 
-def fail_request(core: EngineCore, s: Session, message: str) -> None:
-    """End `s`'s request, every choice of it, with ERROR and `message` (an OpenAI 500 for its client);
-    each final Delta carries the usage so far. Wherever its sessions are (queued, half admitted,
-    running, suspect), they leave, free their reservation, pins and KV. A session that never finished
-    its admission served nothing: usage 0. No-op for finished sessions."""
-    for c in list(s.choices or [s]):
-        if c in core.waiting:
-            core.waiting.remove(c)
-        if c.phase is Phase.WAITING and c.state is not None:  # copied, but never served
-            core.runner.recycle(c.state)
-            c.state = None
-        core._finish(c, FinishReason.ERROR, error=message)
-    core.suspects = [x for x in core.suspects if x.phase is not Phase.FINISHED]
+Fail = Callable[[Session, str], None]  # ends a session's request with an error (OutputProcessor.fail_request)
 
 
 @contextlib.contextmanager
-def guarded(core: EngineCore, s: Session) -> Iterator[None]:
-    """Run `s`'s part of the step: an exception in it ends `s`'s request (`fail_request`) and is not
-    raised; the step goes on with the other sessions."""
+def guarded(fail: Fail, s: Session) -> Iterator[None]:
+    """Run `s`'s part of the step: an exception in it ends `s`'s request (`fail`, with the error's
+    type and message) and is not raised; the step goes on with the other sessions."""
     try:
         yield
     except Exception as e:
         log.exception("request %s failed in the engine step", s.request.request_id)
-        fail_request(core, s, f"{type(e).__name__}: {e}")
+        fail(s, f"{type(e).__name__}: {e}")

@@ -4,7 +4,7 @@ transaction, so that the callers' hot paths never wait for a disk.
     caller ──put()──▶ SimpleQueue ──▶ writer thread ──commit(conn, batch)──▶ SQLite (WAL)
 
 Both durable stores use it: the usage ledger (ledger/ledger.py) and the stored responses
-(server/response_disk.py; server may import ledger, never the reverse, docs/architecture.md). Each
+(server/openai/responses/disk.py; server may import ledger, never the reverse, docs/architecture.md). Each
 store keeps what is its own: the connection, what a batch's commit does and how it fails, its
 log messages' wording and its thread's name. Here is only what they share: the queue and its order
 (writes reach the file in the order they were put), a flush that waits for what was put before it,

@@ -1,7 +1,7 @@
 """A forward's outputs from its final residual rows: which rows give logits, and prompt logprobs.
 
-Every decoder (models/decoder.py, its native prefill in native_decode.py, models/hybrid.py) ends the
-same way: the last new row of each segment that wants logits, and, for a segment with `targets`,
+Every decoder (models/llama/decoder.py, its native prefill in llama/native_decode.py,
+models/hybrid/decoder.py) ends the same way: the last new row of each segment that wants logits, and, for a segment with `targets`,
 every new row scored on the token after it (completions' echo with logprobs, docs/exactness.md).
 """
 
@@ -36,7 +36,7 @@ def score_rows(h: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor], 
 
 
 class SegmentRows(Protocol):
-    """What `logit_rows` and `score_segments` read and write of a forward's segment (models/decoder.py)."""
+    """What `logit_rows` and `score_segments` read and write of a forward's segment (models/segment.py)."""
 
     num_new: int
     want_logits: bool

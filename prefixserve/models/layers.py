@@ -8,7 +8,8 @@ or the split point:
   `TilePlan` (the last tile zero-padded); within a fixed shape a row's bits do not depend on its
   position or its neighbours, and the start-up self-test verifies that for every tile size in use;
 - attention runs over 32-key blocks aligned to absolute positions, one fixed-size query tile at
-  a time, and combines per-block partials by a fixed tree.
+  a time, and combines per-block partials by a fixed tree, or on the native kernel (attention.c),
+  row-local by construction (`attend_segments`, what both decoders' attention layers call).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from prefixserve.models import amx_tiles
-from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.models.kernels import amx_tiles, native
+from prefixserve.models.kernels.threads import KERNEL_THREADS
+from prefixserve.models.segment import Segment
 
 BLOCK = 32  # keys per attention block, aligned to absolute positions
 ATTN_TILE_TOKENS = 16  # query tokens per attention call (the last tile padded)
@@ -92,7 +94,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     (cut at `half_rows`), each on torch's one thread; `ways` > 1 runs them at once (KERNEL_THREADS.parallel).
     The calls are the same either way, so the bits are: MKL's sgemm on two threads was not thread-count
     invariant on a loaded machine (docs/architecture.md, "CPUs without bf16 arithmetic"). A weight
-    packed for AMX tiles (models/amx_tiles.py) is multiplied there, row-local at any row count."""
+    packed for AMX tiles (kernels/amx_tiles.py) is multiplied there, row-local at any row count."""
     if (p := amx_tiles.packed(w)) is not None and x.dtype == w.dtype:
         return amx_tiles.linear(x, w, p, bias)
     if w.dtype == x.dtype:
@@ -119,7 +121,7 @@ def half_rows(n: int) -> int:
 
 
 def dense(site: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A dense tile's matmul, on the threads models/threads.py allows for it (same bits on any count):
+    """A dense tile's matmul, on the threads kernels/threads.py allows for it (same bits on any count):
     torch's threads for the call, or the two halves of a widened weight's call at once (`linear`)."""
     if w.dtype != x.dtype:
         return linear(x, w, bias, min(2, KERNEL_THREADS.parallel_ways("dense")))
@@ -297,3 +299,39 @@ def batched_decode_attention(
     out = fixed_tree_sum(torch.matmul(e, vb).view(flat, num_blocks, rep * tile, head_dim))
     out = (out / den.unsqueeze(-1)).view(num_sessions, num_kv_heads, rep, tile, head_dim)[:, :, :, 0]
     return out.reshape(num_sessions, num_heads * head_dim).to(q.dtype)
+
+
+def attend_segments(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment],
+                    total: int, native_attention: bool, skip: int = 0) -> torch.Tensor:
+    """Write new K/V into each segment's KV of `layer`, then attend. Returns [total, q_size]; padding
+    rows zero. The first `skip` segments (a Llama decoder's 4-bit decode rows, models/llama/int4_rows.py)
+    are left alone.
+
+    With the native kernel (`native_attention`) every segment is one call (a row's bits depend on its
+    own query and keys only, attention.c). Otherwise single-token segments attend together
+    (`batched_decode_attention`), longer ones one by one (`block_attention`). Either way a dense
+    decode row gets exactly what a one-token prefill would, and decode states equal prefill
+    states by construction."""
+    out = q.new_zeros(total, q.shape[1] * q.shape[2])
+    singles: list[tuple[int, Segment]] = []
+    offset = sum(s.num_new for s in segments[:skip])
+    for s in segments[skip:]:
+        end = offset + s.num_new
+        kv = s.kv[layer]  # [2, kv_heads, capacity, head_dim]
+        kv[0, :, s.start : s.start + s.num_new] = k[offset:end].transpose(0, 1)
+        kv[1, :, s.start : s.start + s.num_new] = v[offset:end].transpose(0, 1)
+        if native_attention:
+            out[offset:end] = native.attention(q[offset:end], kv[0], kv[1], s.start,
+                                               KERNEL_THREADS.parallel_ways("attention"), KERNEL_THREADS.parallel)
+        elif s.num_new == 1:
+            singles.append((offset, s))
+        else:
+            out[offset:end] = block_attention(q[offset:end], kv[0], kv[1], s.start)
+        offset = end
+    if singles:
+        rows = torch.tensor([o for o, _ in singles])
+        out[rows] = batched_decode_attention(
+            q[rows], [s.kv[layer, 0] for _, s in singles], [s.kv[layer, 1] for _, s in singles],
+            [s.start for _, s in singles],
+        )
+    return out

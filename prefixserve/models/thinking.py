@@ -1,5 +1,5 @@
 """A thinking model's reply text split into its reasoning and its answer (Qwen3 family: ``<think>``
-reasoning ``</think>`` answer). The server sends the two apart (server/reasoning.py), and a client
+reasoning ``</think>`` answer). The server sends the two apart (server/openai/reasoning.py), and a client
 sends only the answer back in its next request, which is what the cache keys a finished turn by
 (models/tokenizer.py `next_turn`)."""
 

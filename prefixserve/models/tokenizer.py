@@ -62,7 +62,7 @@ class Tokenizer:
         self._special_ids = {i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
                              if getattr(t, "special", False)}
         self._forms: dict[str, tuple[int, str, int | None]] = {}  # history_form's, per template kwargs
-        # a thinking model's </think> token, which ends a reply's reasoning (server/reasoning.py); else None
+        # a thinking model's </think> token, which ends a reply's reasoning (server/openai/reasoning.py); else None
         self.think_end_id = _think_end_id(hf_tokenizer)
         self.thinks = self.think_end_id is not None
         decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
@@ -84,7 +84,7 @@ class Tokenizer:
             return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Generated text leaves the control tokens out; /detokenize keeps them (server/tokenize.py)."""
+        """Generated text leaves the control tokens out; /detokenize keeps them (server/openai/tokenize.py)."""
         with self._lock:
             return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
@@ -239,7 +239,7 @@ class Tokenizer:
 
 def _think_end_id(hf: Any) -> int | None:
     """</think>'s id for a thinking model's tokenizer: <think> and </think> are tokens that decode as text
-    (not skipped as special) and the chat template writes them (server/reasoning.py splits such replies)."""
+    (not skipped as special) and the chat template writes them (server/openai/reasoning.py splits such replies)."""
     template = hf.chat_template if isinstance(getattr(hf, "chat_template", None), str) else ""
     if "<think>" not in template:
         return None
@@ -264,7 +264,7 @@ def load_tokenizer_gguf(path: str, architecture: str | None = None) -> Tokenizer
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
     try:
         if architecture is None:
-            from prefixserve.models.gguf_hybrid import gguf_architecture
+            from prefixserve.models.loaders.hybrid_gguf import gguf_architecture
 
             architecture = gguf_architecture(path)
         cls = _gguf_tokenizer_class(folder, architecture) or transformers.AutoTokenizer

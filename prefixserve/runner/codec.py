@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.models.hybrid import RecurrentState
+from prefixserve.models.hybrid.decoder import RecurrentState
 from prefixserve.runner.hybrid_state import HybridSnapshot
 from prefixserve.runner.state import KVPiece, KVSnapshot
 

@@ -2,7 +2,7 @@
 
 Two kinds of layer state (docs/hybrid.md):
 - attention layers' KV (`kv`, [attention layers, 2, kv heads, capacity, head dim], as SessionState's);
-- recurrent layers' state (`rec`, models/hybrid.py RecurrentState: conv inputs, the current cell's
+- recurrent layers' state (`rec`, models/hybrid/decoder.py RecurrentState: conv inputs, the current cell's
   inputs, and the fp32 delta state at the cell start). It describes exactly one position.
 
 So a hybrid state is snapshot-only (`truncatable = False`): a snapshot serves its own length, and the
@@ -20,10 +20,10 @@ from collections.abc import Hashable
 
 import torch
 
-from prefixserve.models.gated_delta import CELL
-from prefixserve.models.hybrid import RecurrentState
+from prefixserve.models.hybrid.decoder import RecurrentState
+from prefixserve.models.hybrid.gated_delta import CELL
 from prefixserve.models.layers import BLOCK
-from prefixserve.runner.state import KVSnapshot, SessionState, _round_up
+from prefixserve.runner.state import KVSnapshot, SessionState, round_up
 
 GRID = 64  # checkpoints and boundary entries sit on multiples of it: no cell rows to keep there
 MAX_CHECKPOINTS = 3  # per prompt: 19.5 MB each at the 0.8B shape (docs/hybrid.md)
@@ -53,7 +53,7 @@ class HybridState(SessionState):
     def fresh(cls, kv_shape: tuple[int, int, int, int], rec: RecurrentState, dtype: torch.dtype, device: str,
               capacity: int = 0) -> HybridState:
         layers, two, heads, head_dim = kv_shape
-        cap = _round_up(max(capacity, BLOCK), BLOCK)
+        cap = round_up(max(capacity, BLOCK), BLOCK)
         return cls(torch.zeros(layers, two, heads, cap, head_dim, dtype=dtype, device=device), rec)
 
     @property
@@ -89,7 +89,7 @@ class HybridState(SessionState):
 
     def compact_recurrent(self) -> RecurrentState:
         """A deep copy of `rec` keeping only the cell rows in use (num_tokens % CELL; the rest are zero
-        by contract, models/hybrid.py)."""
+        by contract, models/hybrid/decoder.py)."""
         r = self.rec
         return RecurrentState(r.conv.clone(), r.cell[:, : self.num_tokens % CELL].clone(), r.delta.clone())
 

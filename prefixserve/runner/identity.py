@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from prefixserve import __version__
-from prefixserve.models import native
-from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.models.kernels import native
+from prefixserve.models.kernels.threads import KERNEL_THREADS
 
 CODE_DIRS = ("models", "runner")  # the code that computes states, and the self-test that checks it
 _CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
@@ -95,12 +95,13 @@ def runtime_identity(decoder: Any) -> RuntimeIdentity:
 
 @functools.cache
 def code_digest() -> str:
-    """BLAKE2b-128 of every .py, .c and .h file (name and bytes) in CODE_DIRS."""
+    """BLAKE2b-128 of every .py, .c and .h file (name and bytes) in CODE_DIRS and their subfolders."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.blake2b(digest_size=16)
     for sub in CODE_DIRS:
         folder = os.path.join(root, sub)
-        for name in sorted(os.listdir(folder)):
+        names = (os.path.relpath(os.path.join(d, n), folder) for d, _, files in os.walk(folder) for n in files)
+        for name in sorted(names):
             if name.endswith((".py", ".c", ".h")):
                 with open(os.path.join(folder, name), "rb") as f:
                     h.update(f"{sub}/{name}".encode() + b"\0" + f.read())

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.models.decoder import Decoder, Segment
 from prefixserve.models.final_rows import Scores
+from prefixserve.models.llama.decoder import Decoder
+from prefixserve.models.segment import Segment
 from prefixserve.runner.state import KVPool, SessionState
 
 
@@ -86,7 +87,7 @@ class ModelRunner:
         layered = getattr(self.decoder, "forward_layers", None)
         if layered is not None:
             out = yield from layered(ids, segments)
-        else:  # a decoder that runs whole (models/hybrid.py: recurrent state updates in place)
+        else:  # a decoder that runs whole (models/hybrid/decoder.py: recurrent state updates in place)
             out = self.decoder.forward(ids, segments)
         logits = out.clone()  # a normal tensor, not an inference tensor
         row = 0

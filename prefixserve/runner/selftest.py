@@ -15,18 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.models import native, native_decode
-from prefixserve.models.decoder import Decoder, Segment
+from prefixserve.models.kernels import native
+from prefixserve.models.kernels.int4 import Int4Weight, int4_linear
+from prefixserve.models.kernels.threads import KERNEL_THREADS
 from prefixserve.models.layers import TilePlan, linear
-from prefixserve.models.quant import Int4Weight, int4_linear
-from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.models.llama import native_decode
+from prefixserve.models.llama.decoder import Decoder
+from prefixserve.models.segment import Segment
 from prefixserve.runner.runner import ModelRunner, StepItem
 from prefixserve.runner.state import SessionState
 
 # In order of preference (docs/exactness.md): 64 rows keeps a short suffix (a partial hit) cheap
 # while long prompts still run efficient matmuls; the others are fallbacks should 64 fail somewhere.
 CANDIDATE_PLANS = (TilePlan(64, 16), TilePlan(128, 16), TilePlan(32, 32), TilePlan(16, 16))
-# where prefill multiplies the 4-bit codes but cannot run natively a layer per call (models/decoder.py
+# where prefill multiplies the 4-bit codes but cannot run natively a layer per call (models/llama/decoder.py
 # `prefill_q4`), tiles hold only the torch ops around the matmuls: 32 rows took a 22-token suffix over
 # 600 cached tokens 113 -> 100 ms, over 2,000 190 -> 160 ms, a cold 2,000-token prefill no slower
 # (Ice Lake, in process); 16 rows were slower
@@ -92,7 +94,7 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
             if threads_why:
                 notes.append(f"calls stay on {torch.get_num_threads()} threads where ({'; '.join(threads_why)})")
             attention = "native" if dec.native_attention else "torch blocks"
-            matmuls = getattr(dec, "matmuls", f"{dec.dtype} matmuls")  # models/decoder.py `use_fp32_matmuls`
+            matmuls = getattr(dec, "matmuls", f"{dec.dtype} matmuls")  # models/llama/decoder.py `use_fp32_matmuls`
             x8 = " on int8 activations" if getattr(dec, "decode_int8", False) and dec.decode_kernel == "int4" else ""
             notes.insert(0, f"exact: {matmuls} in row tiles {plan}, decode kernel {dec.decode_kernel}{x8}, "
                             f"attention {attention}, {KERNEL_THREADS.describe()}")
@@ -109,7 +111,7 @@ def self_test(runner: ModelRunner) -> SelfTestResult:
 def _dense_tiles(dec: Decoder, plan: TilePlan) -> list[tuple[str, torch.Tensor, torch.Tensor | None, int]]:
     """(name, weight, bias, tile rows) of every dense matmul call site the runtime makes."""
     lw = dec.layers[0]
-    hybrid_weights = getattr(dec, "tile_weights", None)  # models/hybrid.py: its own weight shapes
+    hybrid_weights = getattr(dec, "tile_weights", None)  # models/hybrid/decoder.py: its own weight shapes
     weights: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = [
         ("qkv", lw.qkv, lw.qkv_bias, plan.rows), ("o_proj", lw.o_proj, None, plan.rows),
         ("gate_up", lw.gate_up, None, plan.rows), ("down", lw.down, None, plan.rows),
@@ -149,14 +151,14 @@ def check_tile_rows(dec: Decoder, plan: TilePlan, seed: int = 7) -> str:
 
 
 def check_threads(dec: Decoder, kinds: set[str], seed: int = 13) -> tuple[set[str], str]:
-    """Which of `kinds` of matmul (models/threads.py) give the same bits on KERNEL_THREADS.threads as
+    """Which of `kinds` of matmul (models/kernels/threads.py) give the same bits on KERNEL_THREADS.threads as
     on torch's count, for every call shape the runtime makes: "dense", the plan's tiles of each
     weight (and the dense lm_head's); "int4", the 4-bit weights at 1, 4 and MAX_DECODE_ROWS rows;
     "attention", a native attention call split between threads against the whole call.
     Returns (the kinds that passed, why the others did not)."""
     base, many = torch.get_num_threads(), KERNEL_THREADS.threads
     if many <= base or dec.device.type != "cpu" or getattr(dec, "tile_weights", None) is not None:
-        # (a hybrid model's forward, models/hybrid.py, makes no threaded calls)
+        # (a hybrid model's forward, models/hybrid/decoder.py, makes no threaded calls)
         return set(), ""
     allowed = KERNEL_THREADS.allowed
     KERNEL_THREADS.allow(set())  # every call below on exactly the count asked for

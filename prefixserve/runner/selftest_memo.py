@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from prefixserve.models import native
+from prefixserve.models.kernels import native
+from prefixserve.models.kernels.threads import KERNEL_THREADS
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.threads import KERNEL_THREADS
 from prefixserve.runner.identity import runtime_identity
 from prefixserve.runner.runner import ModelRunner, StepItem
 from prefixserve.runner.selftest import SelfTestResult, self_test

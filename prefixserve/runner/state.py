@@ -22,7 +22,8 @@ log = logging.getLogger("prefixserve.runner")
 GROW_TOKENS = 256  # capacity grows in steps of at least this many tokens (a multiple of BLOCK)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (> 0)."""
     return (n + multiple - 1) // multiple * multiple
 
 
@@ -131,7 +132,7 @@ def _kv_buffer(
     """An uninitialised KV tensor for (num_layers, 2, num_kv_heads, head_dim) with room for `capacity`
     tokens rounded up to a BLOCK: from `pool` when given (possibly a little larger), else new."""
     layers, two, heads, head_dim = shape
-    full = (layers, two, heads, _round_up(max(capacity, BLOCK), BLOCK), head_dim)
+    full = (layers, two, heads, round_up(max(capacity, BLOCK), BLOCK), head_dim)
     return torch.empty(full, dtype=dtype, device=device) if pool is None else pool.take(full, dtype, device)
 
 
@@ -153,7 +154,7 @@ class SessionState:
         self.num_tokens = num_tokens
         self.logits = logits
         # the most tokens it may hold (its session's prompt + max_tokens, what admission reserved): growth
-        # stops there instead of doubling past it; None: unbounded (set by the engine, EngineCore._restore)
+        # stops there instead of doubling past it; None: unbounded (set by the engine as it restores a session: engine/core.py)
         self.grow_limit: int | None = None
 
     @classmethod
@@ -175,13 +176,13 @@ class SessionState:
 
     def reserve(self, num_tokens: int) -> None:
         """Make room for `num_tokens` in total, keys rounded up to a BLOCK boundary. Keeps contents."""
-        need = _round_up(num_tokens, BLOCK)
+        need = round_up(num_tokens, BLOCK)
         if need <= self.capacity:
             return
         new_cap = max(need, self.capacity * 2, GROW_TOKENS)
         if self.grow_limit is not None:
             new_cap = min(new_cap, max(need, self.grow_limit))
-        new_cap = _round_up(new_cap, BLOCK)
+        new_cap = round_up(new_cap, BLOCK)
         kv = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
         kv[:, :, :, : self.num_tokens] = self.kv[:, :, :, : self.num_tokens]
         self.kv = kv

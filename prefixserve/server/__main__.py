@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-signal.signal(signal.SIGHUP, signal.SIG_IGN)  # before the heavy imports (prefixserve/cli.py says why)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # before the heavy imports (prefixserve/cli/__init__.py says why)
 
 from prefixserve.server.run import run_serve
 from prefixserve.server.settings import add_serve_args

@@ -20,7 +20,7 @@ from http import HTTPStatus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixserve.server.metrics import ServerMetrics, endpoint_label
+from prefixserve.server.operator.metrics import ServerMetrics, endpoint_label
 
 access_log = logging.getLogger("prefixserve.access")
 _GIVEN_ID = re.compile(rb"[A-Za-z0-9_.:;@/+=-]{1,128}")  # AWS's Root=...;Parent=... ids too

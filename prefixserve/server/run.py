@@ -1,11 +1,11 @@
 """`prefixserve serve`: start-up and shutdown (the flags and their PREFIXSERVE_* environment variables:
 server/settings.py).
 
-Start-up checks everything it can before the model loads: a bad setting, an unusable file or
-directory (named by its flag), a port in use are each one line on stderr and exit status 2. Then the
-port listens at once: while the model loads, /health answers 503 ``{"status": "loading", "phase",
-"elapsed_s", ...}`` and every other request a 503 to retry, and each long phase prints a line on
-the console, the last one the URL and the start-up's time (server/startup.py). On
+Start-up checks everything it can before the model loads (server/launch.py): a bad setting, an
+unusable file or directory (named by its flag), a port in use are each one line on stderr and exit
+status 2. Then the port listens at once: while the model loads, /health answers 503 ``{"status":
+"loading", "phase", "elapsed_s", ...}`` and every other request a 503 to retry, and each long phase
+prints a line on the console, the last one the URL and the start-up's time (server/startup.py). On
 SIGTERM (or Ctrl-C) uvicorn stops accepting connections; requests in flight get up to
 --shutdown-timeout seconds, then the engine ends the rest (server/shutdown.py, docs/architecture.md,
 "Shutdown"); then the app's lifespan drains the engine and closes the ledger and the stored responses'
@@ -19,29 +19,13 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.config import (
-    SHARED_SECRET_MIN_BYTES,
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    ModelConfig,
-    ServerConfig,
-    SharedTierConfig,
-    default_data_dir,
-    default_model_cache_dir,
-)
-from prefixserve.kvevents import open_publisher
-from prefixserve.ledger import Ledger, Pricing
-from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
-from prefixserve.server.response_store import open_response_store
-from prefixserve.server.settings import api_key_specs, kv_events_config, resolve_all
+from prefixserve.config import ConfigError
+from prefixserve.server.launch import CONFIG_ERRORS, Launch
 from prefixserve.server.startup import LoadingServer, StartupProgress, hand_over
 
 if TYPE_CHECKING:  # not at run time: prefixserve.engine imports torch, seconds the port would not answer in
@@ -52,98 +36,88 @@ STARTUP_TIMES = "startup-times.json"  # beside the prepared models: each model's
 logger = logging.getLogger("prefixserve.server")
 
 
+class StartEnded(Exception):
+    """The start-up ended before serving, with this exit status (what it opened is closed)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM / Ctrl-C, drain, return 0. Configuration errors return 2."""
-    env = os.environ
-    responses = kv_events = None
     try:
-        s = resolve_all(args, env)
-        logging.basicConfig(
-            level=s["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        specs = api_key_specs(args, env)
-        if s["api_keys_file"]:
-            specs += read_keys_file_for_flag(s["api_keys_file"])
-        for spec in specs:
-            parse_key_spec(spec)
-        model_config = ModelConfig(
-            path=s["model"],
-            served_model_name=s["served_model_name"],
-            dtype=s["dtype"],
-            device=s["device"],
-            decode_kernel=s["decode_kernel"],
-            max_model_len=s["max_model_len"],
-            num_threads=s["num_threads"],
-            decode_threads=s["decode_threads"],
-            cache_dir=None if s["no_model_cache"] else (s["model_cache_dir"] or default_model_cache_dir(env)),
-            fresh_self_test=s["fresh_self_test"],
-        )
-        data_dir = Path(s["data_dir"] or default_data_dir(env))
-        cache_config = CacheConfig(max_bytes=s["cache_max_bytes"], disk_dir=s["cache_dir"] or str(data_dir / "cache"),
-                                   disk_max_bytes=s["cache_disk_bytes"], shared=shared_tier_config(s),
-                                   eviction=s["cache_eviction"])
-        engine_config = EngineConfig(
-            prefill_chunk_tokens=s["prefill_chunk_tokens"],
-            max_batch_tokens=s["max_batch_tokens"],
-            max_num_seqs=s["max_num_seqs"],
-            max_queued_requests=s["max_queued_requests"],
-            max_session_bytes=s["max_session_bytes"],
-        )
-        server_config = ServerConfig(
-            host=s["host"],
-            port=s["port"],
-            api_keys=tuple(specs),
-            admin_key=s["admin_key"] or None,
-            metrics_open=bool(s["metrics_open"]),
-            allowed_origins=tuple(s["allowed_origins"]),
-            data_dir=str(data_dir),
-            ledger_path=s["ledger_path"] or str(data_dir / "usage.sqlite3"),
-            pricing_path=s["pricing"],
-            default_max_tokens=s["default_max_tokens"],
-            max_stored_responses=s["max_stored_responses"],
-            responses_path=None if s["no_responses_persist"] else s["responses_path"] or str(data_dir / "responses.sqlite3"),
-            reasoning_parser=s["reasoning_parser"],
-            shutdown_timeout_s=s["shutdown_timeout"],
-        )
-        keys = KeyStore.from_specs(server_config.api_keys, server_config.admin_key)
-        make_dir("--data-dir", data_dir)
-        if cache_config.disk_max_bytes and cache_config.disk_dir:  # one that cannot be made is a config error;
-            # one that exists read-only is served from, with a warning (docs/cache.md, "Disk failures")
-            make_dir("--cache-dir" if s["cache_dir"] else "--data-dir", Path(cache_config.disk_dir), mode=0o700)
-        kv_events = open_publisher(kv_events_config(s))  # the KV events' sockets, bound or connected now
-        # stored /v1/responses answers, read back from their file (server/response_disk.py)
-        responses = open_response_store(server_config.max_stored_responses, server_config.responses_path,
-                                        "--responses-path" if s["responses_path"] else "--data-dir")
-        ledger = None if s["no_ledger"] else open_ledger(server_config, getattr(args, "prices", None) or (),
-                                                         "--ledger-path" if s["ledger_path"] else "--data-dir")
-    except (OSError, ValueError, RuntimeError, sqlite3.Error, argparse.ArgumentTypeError) as e:
-        print(f"prefixserve serve: {e}", file=sys.stderr)
-        _close(kv_events, responses)
-        return 2
+        launch = Launch.resolve(args, os.environ)
+    except CONFIG_ERRORS as e:
+        return _config_error(e)
+    try:
+        launch.open()
+    except CONFIG_ERRORS as e:
+        launch.close()
+        return _config_error(e)
+    config = launch.server_config
     try:  # the port is ours before the model loads: a port in use is an error now, not after the load
-        sock = bind_socket(server_config.host, server_config.port)
+        sock = bind_socket(config.host, config.port)
     except OSError as e:
-        print(f"prefixserve serve: cannot listen on {server_config.host}:{server_config.port}: "
+        print(f"prefixserve serve: cannot listen on {config.host}:{config.port}: "
               f"{e.strerror or e}", file=sys.stderr)
-        _close(ledger, responses, kv_events)
+        launch.close()
         return 2
 
     signal.signal(signal.SIGTERM, _exit_now)  # while the model loads, SIGTERM just exits cleanly
-    url = server_url(server_config.host, sock)
-    progress = StartupProgress(
-        out=sys.stdout if logging.getLevelName(s["log_level"].upper()) in (logging.DEBUG, logging.INFO) else None,
-        timings_path=None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, STARTUP_TIMES),
-        key=f"{os.path.abspath(model_config.path) if model_config.path else 'embedded'}|{model_config.dtype}|"
-            f"{model_config.device}")
+    url = server_url(config.host, sock)
+    progress = startup_progress(launch)
     loading = LoadingServer(sock, progress)
     loading.start()  # /health answers "loading" from now on
 
     def abandon() -> None:  # a start-up that ends before serving
         loading.stop()
         progress.close()
-        _close(ledger, responses, kv_events)
+        launch.close()
         sock.close()
 
+    try:
+        engine = load_engine(launch, progress, abandon)
+    except StartEnded as e:
+        return e.status
+    progress.phase("starting_http", f"starting HTTP on {url}")
+    from prefixserve.server.app import create_app
+
+    # owns engine, ledger and stored responses from here
+    app = create_app(engine, config, launch.ledger, keys=launch.keys, keys_source=launch.keys_source(),
+                     response_store=launch.responses)
+    try:
+        return serve_app(app, config.host, config.port, launch.s["log_level"], sock, engine=engine,
+                         shutdown_timeout_s=config.shutdown_timeout_s, before_serving=loading.stop,
+                         on_ready=lambda: progress.ready(url, engine.model_id))
+    finally:
+        loading.stop()
+        progress.close()
+        if launch.kv_events is not None:  # after the engine drained: its last changes are published
+            launch.kv_events.close()
+
+
+def _config_error(e: Exception) -> int:
+    """A bad setting or an unusable file: one line on stderr, exit status 2."""
+    print(f"prefixserve serve: {e}", file=sys.stderr)
+    return 2
+
+
+def startup_progress(launch: Launch) -> StartupProgress:
+    """The start-up's console lines (at log level info or debug) and its timings file, beside the
+    prepared models (none without the model cache)."""
+    model_config = launch.model_config
+    return StartupProgress(
+        out=sys.stdout if logging.getLevelName(launch.s["log_level"].upper()) in (logging.DEBUG, logging.INFO) else None,
+        timings_path=None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, STARTUP_TIMES),
+        key=f"{os.path.abspath(model_config.path) if model_config.path else 'embedded'}|{model_config.dtype}|"
+            f"{model_config.device}")
+
+
+def load_engine(launch: Launch, progress: StartupProgress, abandon: Callable[[], None]) -> EngineClient:
+    """Import the runtime and build the engine. A start-up that ends here calls `abandon` and raises
+    StartEnded: 0 for a SIGTERM during the imports, 2 for a setting the model cannot work with
+    (config.py's ConfigError, one line on stderr), 1 for a model that cannot load."""
     try:
         progress.phase("importing", "importing the runtime (torch, transformers)")
         # every module build_engine imports on this thread, torch among them, while a SIGTERM only
@@ -158,40 +132,22 @@ def run_serve(args: argparse.Namespace) -> int:
     _INTERRUPTIBLE.set()
     if _STOP.is_set():  # a SIGTERM during the imports
         abandon()
-        return 0
+        raise StartEnded(0)
     logger.info("loading the model ...")
     try:
-        engine = build_engine(model_config, cache_config, engine_config, progress=progress.phase,
-                              cache_listener=kv_events)
+        return build_engine(launch.model_config, launch.cache_config, launch.engine_config, progress=progress.phase,
+                            cache_listener=launch.kv_events)
     except ConfigError as e:  # a setting the model loaded cannot work with (config.py)
         print(f"prefixserve serve: {e}", file=sys.stderr)
         abandon()
-        return 2
+        raise StartEnded(2) from None
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
         abandon()
-        return 1
+        raise StartEnded(1) from None
     except BaseException:
         abandon()
         raise
-    progress.phase("starting_http", f"starting HTTP on {url}")
-    from prefixserve.server.app import create_app
-
-    # owns engine, ledger and stored responses from here
-    def keys_source() -> KeyStore:  # SIGHUP: the key flags and the keys file, read again
-        return KeyStore.from_specs([*api_key_specs(args, env), *read_keys_file_for_flag(s["api_keys_file"])],
-                                   server_config.admin_key)
-
-    app = create_app(engine, server_config, ledger, keys=keys, keys_source=keys_source if s["api_keys_file"] else None,
-                     response_store=responses)
-    try:
-        return serve_app(app, server_config.host, server_config.port, s["log_level"], sock, engine=engine,
-                         shutdown_timeout_s=server_config.shutdown_timeout_s, before_serving=loading.stop,
-                         on_ready=lambda: progress.ready(url, engine.model_id))
-    finally:
-        loading.stop()
-        progress.close()
-        _close(kv_events)  # after the engine drained: its last changes are published
 
 
 def server_url(host: str, sock: socket.socket) -> str:
@@ -245,95 +201,6 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: soc
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     return 0 if server.started else 1
-
-
-def shared_tier_config(s: dict[str, Any]) -> SharedTierConfig | None:
-    """The shared tier's config from the resolved settings, or None without a URL. Raises ValueError
-    for a URL without a secret (or two secrets, or a secret without a URL); OSError for an unreadable file."""
-    url, key, key_file = s["cache_redis_url"], s["cache_redis_key"], s["cache_redis_key_file"]
-    if key and key_file:
-        raise ValueError("give either --cache-redis-key or --cache-redis-key-file, not both")
-    if not url:
-        if key or key_file:
-            raise ValueError(f"{'--cache-redis-key-file' if key_file else '--cache-redis-key'} needs --cache-redis-url")
-        return None
-    if not key and not key_file:
-        raise ValueError("--cache-redis-url needs a secret: --cache-redis-key or --cache-redis-key-file")
-    secret = read_secret_file(key_file) if key_file else key.encode()
-    return SharedTierConfig(url=url, secret=secret)
-
-
-def read_secret_file(path: str) -> bytes:
-    """The shared tier's secret from --cache-redis-key-file (surrounding whitespace stripped). A file
-    that cannot be read or holds under 16 bytes is a ValueError naming the flag and the path: a
-    bare OSError would name neither, and a short secret would blame --cache-redis-key."""
-    try:
-        secret = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").strip()  # an editor's byte-order mark is no part of it
-    except OSError as e:
-        raise ValueError(f"--cache-redis-key-file {path}: cannot read it: {e.strerror or e}") from None
-    if len(secret) < SHARED_SECRET_MIN_BYTES:
-        raise ValueError(f"--cache-redis-key-file {path}: the secret must be at least {SHARED_SECRET_MIN_BYTES} bytes, "
-                         f"the file holds {len(secret)}")
-    return secret
-
-
-def read_pricing(path: str) -> Pricing:
-    """The --pricing file. One that cannot be read or parsed is a ValueError naming the flag and the
-    path (Pricing's own messages start with the path; an OSError's name neither)."""
-    try:
-        return Pricing.from_toml(path)
-    except OSError as e:
-        raise ValueError(f"--pricing {path}: cannot read it: {e.strerror or e}") from None
-    except ValueError as e:  # PricingError: "<path>...: what is wrong"
-        raise ValueError(f"--pricing {e}" if str(e).startswith(path) else f"--pricing {path}: {e}") from None
-
-
-def open_ledger(server_config: ServerConfig, prices: Sequence[str] = (), flag: str = "--ledger-path") -> Ledger:
-    """The usage ledger, priced from the TOML file and/or `--price` flags. A path that cannot hold it
-    (a directory, a parent that cannot be made or written) is a ValueError naming `flag` and the path."""
-    pricing = read_pricing(server_config.pricing_path) if server_config.pricing_path else Pricing.default()
-    if prices:
-        pricing = Pricing.from_specs(prices, base=pricing)
-    assert server_config.ledger_path is not None
-    path = Path(server_config.ledger_path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; the usage ledger is a file (e.g. {path / 'usage.sqlite3'})")
-    make_dir(flag, path.parent, what="the usage ledger's directory", writable=True)
-    try:
-        return Ledger(str(path), pricing)
-    except (sqlite3.Error, OSError) as e:
-        raise ValueError(f"{flag} {path}: cannot open the usage ledger: {e}") from None
-
-
-def make_dir(flag: str, path: Path, mode: int = 0o777, what: str = "", writable: bool = False) -> None:
-    """Create directory `path` (and its parents) if missing; one that cannot be, is not a directory,
-    or (`writable`) cannot be written is a ValueError naming `flag` and the path."""
-    where = f"{flag} {path}" + (f" ({what})" if what else "")
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{where}: not a directory")
-    try:
-        path.mkdir(mode=mode, parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{where}: cannot create it: {e.strerror or e}") from None
-    if writable and not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{where}: not writable by this user")
-
-
-def read_keys_file_for_flag(path: str) -> list[str]:
-    """`read_keys_file`, its errors naming --api-keys-file (a missing file, a directory, a bad line)."""
-    try:
-        return read_keys_file(path)
-    except OSError as e:
-        raise ValueError(f"--api-keys-file {path}: {e.strerror or e}") from None
-    except ValueError as e:  # its message starts with the path (and line)
-        raise ValueError(f"--api-keys-file {e}") from None
-
-
-def _close(*owned: Any | None) -> None:
-    """Close the ledger, the response store and the KV events (each None when off)."""
-    for thing in owned:
-        if thing is not None:
-            thing.close()
 
 
 _STOP = threading.Event()  # a SIGTERM arrived before the server served

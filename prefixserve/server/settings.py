@@ -127,13 +127,23 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The `serve` subcommand's flags. Defaults are None here and resolved in `run_serve`, so that an
+    """The `serve` subcommand's flags. Defaults are None here and resolved at start (`resolve`), so that an
     environment variable applies exactly when its flag is absent."""
-    a = parser.add_argument
+    for add in (_listen_args, _access_args, _cache_args, _kv_events_args, _runtime_args, _request_args, _file_args,
+                _process_args):  # in this order in --help and docs/flags.md
+        add(parser.add_argument)
+
+
+def _listen_args(a: Callable[..., argparse.Action]) -> None:
+    """Where the server listens and what it serves."""
     a("--host", help="bind address (PREFIXSERVE_HOST; default 127.0.0.1)")
     a("--port", type=int, help="port (PREFIXSERVE_PORT; default 8000)")
     a("--model", help="GGUF file or model directory (PREFIXSERVE_MODEL; default: the embedded SmolLM2-135M)")
     a("--served-model-name", help="model id in the API (PREFIXSERVE_SERVED_MODEL_NAME)")
+
+
+def _access_args(a: Callable[..., argparse.Action]) -> None:
+    """Who may call it: API keys and tenants, the admin key, /metrics, browser origins."""
     a("--api-key", action="append", dest="api_keys", metavar="KEY",
       help="an API key, or 'TENANT KEY'; repeat for more tenants (PREFIXSERVE_API_KEYS, comma-separated)")
     a("--api-keys-file", metavar="FILE",
@@ -148,6 +158,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
       help="comma-separated origins (https://app.example) whose browser pages may call the API, or '*' for any "
            "(CORS; an API key is still needed where keys are configured); default none "
            "(PREFIXSERVE_ALLOWED_ORIGINS)")
+
+
+def _cache_args(a: Callable[..., argparse.Action]) -> None:
+    """The prefix cache's tiers: RAM, disk, shared (Redis)."""
     a("--cache-max-bytes", type=parse_bytes, metavar="N",
       help="prefix cache budget, e.g. 2G; 0 disables caching (PREFIXSERVE_CACHE_MAX_BYTES; default 2G)")
     a("--cache-eviction", choices=EVICTION_POLICIES,
@@ -165,6 +179,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "--cache-redis-key-file (PREFIXSERVE_CACHE_REDIS_KEY)")
     a("--cache-redis-key-file", metavar="FILE",
       help="file holding that secret, surrounding whitespace ignored (PREFIXSERVE_CACHE_REDIS_KEY_FILE)")
+
+
+def _kv_events_args(a: Callable[..., argparse.Action]) -> None:
+    """The RAM cache's blocks published as vLLM's KV events (docs/gateway.md)."""
     a("--kv-events-endpoint", metavar="ENDPOINT",
       help="publish the RAM cache's blocks as vLLM's KV events (ZMQ PUB, msgpack) for a gateway's indexer: "
            "tcp://*:5557 binds, tcp://indexer:5557 connects. Events carry prompt token ids: only where the gateway "
@@ -183,6 +201,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "(PREFIXSERVE_KV_EVENTS_MAX_QUEUE_SIZE; default 100000)")
     a("--kv-events-block-size", type=int, metavar="N",
       help="tokens per announced block, the indexer's block size (PREFIXSERVE_KV_EVENTS_BLOCK_SIZE; default 16)")
+
+
+def _runtime_args(a: Callable[..., argparse.Action]) -> None:
+    """How the model runs: context, dtype, device, kernels, threads."""
     a("--max-model-len", type=int, metavar="N", help="context length (PREFIXSERVE_MAX_MODEL_LEN)")
     a("--dtype", choices=DTYPES, help="runtime dtype (PREFIXSERVE_DTYPE; default auto)")
     a("--device", choices=("auto", "cpu", "cuda"), help="(PREFIXSERVE_DEVICE; default auto)")
@@ -195,6 +217,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--decode-threads", type=int, metavar="N",
       help="threads of the big calls (4-bit and dense matmuls, native attention); back to --num-threads a while "
            "when threads wait for a core (PREFIXSERVE_DECODE_THREADS; default: every usable core; docs/architecture.md)")
+
+
+def _request_args(a: Callable[..., argparse.Action]) -> None:
+    """Scheduling and the requests' own limits."""
     a("--max-num-seqs", type=int, metavar="N",
       help="sessions running at once; n choices take n (PREFIXSERVE_MAX_NUM_SEQS; default 64)")
     a("--prefill-chunk-tokens", type=int, metavar="N",
@@ -220,6 +246,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--max-session-bytes", type=parse_bytes, metavar="BYTES",
       help="KV of all running sessions together (prompt + max_tokens each); admission waits past it and a request "
            "that can never fit is a 400; at least 64 tokens of the model's KV (PREFIXSERVE_MAX_SESSION_BYTES; default 4G)")
+
+
+def _file_args(a: Callable[..., argparse.Action]) -> None:
+    """What the server keeps on disk: data, the prepared models, the usage ledger, stored responses."""
     a("--data-dir", metavar="DIR", help="usage ledger, stored responses and disk cache tier, created at start (PREFIXSERVE_DATA_DIR; "
       "default $XDG_DATA_HOME/prefixserve, else ~/.local/share/prefixserve)")
     a("--model-cache-dir", metavar="DIR",
@@ -241,6 +271,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
            "(PREFIXSERVE_RESPONSES_PATH; default <data-dir>/responses.sqlite3)")
     a("--no-responses-persist", action="store_true", default=None,
       help="keep stored responses in memory only, gone at restart (PREFIXSERVE_NO_RESPONSES_PERSIST=1)")
+
+
+def _process_args(a: Callable[..., argparse.Action]) -> None:
+    """Logging and the shutdown."""
     a("--log-level", choices=("debug", "info", "warning", "error"), help="(PREFIXSERVE_LOG_LEVEL; default info)")
     a("--shutdown-timeout", type=parse_seconds, metavar="SECONDS",
       help="after SIGTERM / SIGINT, how long requests in flight may take to finish; then the engine ends the rest "

@@ -3,7 +3,7 @@
     signal ──▶ stop accepting, close idle connections ──▶ in-flight requests finish ... up to grace_s
                                          second signal, or grace_s passed ──▶ engine.end_all(...)
            ──▶ streams end with an error event, others get a 503, each billed what was computed
-           ──▶ a request still running SETTLE_S later gets its last word (server/endings.py), then its
+           ──▶ a request still running SETTLE_S later gets its last word (server/in_flight.py), then its
                task is cancelled ──▶ lifespan: drain engine, close ledger
 
 uvicorn's own handler is replaced: it re-raises the signal once the server is done (a death by
@@ -27,8 +27,8 @@ from typing import Any
 import uvicorn
 
 from prefixserve.engine.protocol import EngineClient
-from prefixserve.server.endings import Endings
 from prefixserve.server.errors import SHUTTING_DOWN
+from prefixserve.server.in_flight import Endings
 
 logger = logging.getLogger("prefixserve.server")
 

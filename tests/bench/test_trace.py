@@ -38,7 +38,7 @@ from trace_sim import (
 sys.path.remove(BENCH)
 
 from prefixserve.config import CacheConfig
-from prefixserve.server.auth import parse_key_spec, read_keys_file
+from prefixserve.server.operator.auth import parse_key_spec, read_keys_file
 from prefixserve.types import Namespace
 
 LINES = """\

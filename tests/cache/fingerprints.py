@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from prefixserve.engine import tier_fingerprint
-from prefixserve.models import native
-from prefixserve.models.decoder import Decoder
+from prefixserve.models.kernels import native
+from prefixserve.models.kernels.threads import KERNEL_THREADS
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.models.llama.decoder import Decoder
 from prefixserve.runner import identity
 
 

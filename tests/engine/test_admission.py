@@ -54,7 +54,7 @@ def test_requests_that_free_slots_take_at_the_next_step_are_not_queued() -> None
 
 
 def test_what_the_session_bytes_cannot_hold_is_queued_and_holds_up_the_rest() -> None:
-    """Admission goes in order and stops at the first request whose bytes do not fit (EngineCore._admit):
+    """Admission goes in order and stops at the first request whose bytes do not fit (Scheduler.admit):
     a small one behind it waits too. The core's own queue comes before the inbox."""
     room = Room(num_running=1, num_free_slots=63, num_free_bytes=100, waiting=tuple(ws(60)))
     assert num_queued(room, ws(30, 20, 5)) == 2  # 60 and 30 fit; 20 does not, and 5 waits behind it
@@ -261,7 +261,7 @@ def test_n_choices_take_n_slots_and_their_kv_is_reserved_before_they_fork() -> N
     small = Request("b", Namespace("smol", "b"), tuple(prompt(2)), SamplingParams(max_tokens=2, temperature=0.0))
     queued_together(engine, run, [big, small])
     assert first["b"] > finished["a"] and most <= 3
-    assert engine.core._reserved_bytes == 0
+    assert engine.core.scheduler.reserved_bytes == 0
     too_many = Request("c", NS, tuple(prompt(3)), SamplingParams(max_tokens=2), num_choices=4)
     with pytest.raises(InvalidRequest, match="3 at once") as refused:
         engine.validate(too_many)
@@ -304,7 +304,7 @@ def test_a_request_the_session_bytes_cannot_start_is_queued() -> None:
 
     finals = asyncio.run(go())
     assert all(d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for d in finals)
-    assert engine.core._reserved_bytes == 0
+    assert engine.core.scheduler.reserved_bytes == 0
 
 
 @pytest.mark.slow
@@ -359,13 +359,13 @@ def test_pending_turn_refills_share_the_session_budget_and_give_way() -> None:
         core.add(request(ids, max_tokens=8))
         while core.has_work():
             core.step()  # never `background`: the refills stay pending
-            assert core._reserved_bytes + core.refills.nbytes() <= budget
+            assert core.scheduler.reserved_bytes + core.refills.nbytes() <= budget
 
     def pending() -> list[int]:
         return [i for i, ids in enumerate(ask) for r in core.refills if r.token_ids[: len(ids)] == tuple(ids)]
 
     run(ask[0])
     run(ask[1])
-    assert pending() == [0, 1] and core._reserved_bytes == 0  # room for both
+    assert pending() == [0, 1] and core.scheduler.reserved_bytes == 0  # room for both
     run(ask[2])  # its reservation and both refills do not fit: the oldest went before its KV was allocated
     assert pending() == [1, 2]

@@ -11,7 +11,7 @@ import pytest
 
 from prefixserve.engine import AsyncEngine
 from prefixserve.engine.detok import IncrementalDetokenizer
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
 from prefixserve.types import Delta, FinishReason, Namespace, Request, SamplingParams
 

@@ -73,7 +73,7 @@ def test_restart_serves_from_disk_without_blocking_other_sessions(tmp_path: Path
     tokens, usage = result(out, warm)
     assert tokens == ref_tokens and usage.cached_tokens == len(p)  # the whole prompt from disk
     assert core.disk.stats()["disk_loads"] == 1
-    assert core._reserved_bytes == 0  # the parked session's reservation was taken once, and freed
+    assert core.scheduler.reserved_bytes == 0  # the parked session's reservation was taken once, and freed
     core.cache.check_integrity()
     core.disk.check_integrity()
     core.disk.close()
@@ -132,7 +132,7 @@ def test_a_read_only_cache_dir_is_counted_in_metrics_and_never_delays_shutdown(
     from typing import Any
 
     from prefixserve.engine import AsyncEngine
-    from prefixserve.server.metrics import ServerMetrics
+    from prefixserve.server.operator.metrics import ServerMetrics
 
     model, _ = load_embedded("int4")
     core = make_core(tmp_path, {})

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from prefixserve.cache import Hit
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
 from prefixserve.types import Namespace, Request, SamplingParams, Usage
 from tests.engine.test_engine_cache import make_engine

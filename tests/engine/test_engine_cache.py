@@ -135,14 +135,13 @@ def test_a_repeated_turn_is_not_cached_again(mode, monkeypatch):
     """The same request again (greedy: the same reply) finds its turn cached: no refill is queued
     and no second snapshot is taken, so the engine is free for the next request
     at once; another turn still is."""
-    from prefixserve.engine import inserts
     engine = make_engine(1 << 30, mode)
     tok = engine.tokenizer
     ns = Namespace("smol", "t")
     offered: list[int] = []
-    orig_offer, orig_store = engine.core.refills.offer, inserts.store
+    orig_offer, orig_store = engine.core.refills.offer, engine.core.writer.store
     monkeypatch.setattr(engine.core.refills, "offer", lambda n, ids, *a: (offered.append(len(ids)), orig_offer(n, ids, *a)))
-    monkeypatch.setattr(inserts, "store", lambda c, n, ids, st: (offered.append(len(ids)), orig_store(c, n, ids, st)))
+    monkeypatch.setattr(engine.core.writer, "store", lambda n, ids, st: (offered.append(len(ids)), orig_store(n, ids, st)))
     ids = tok.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi! Who are you?"}])
 
     async def settle():
@@ -200,7 +199,6 @@ def test_a_turn_refill_stores_its_turn_a_piece_at_a_time():
     the turn (measured in the server: 48 ms for a 4,000-token turn, 97 ms for 8,000), so a request
     arriving meanwhile waits one piece. The entry goes in with the last piece, and it is the state a
     fresh prefill of the turn gives."""
-    from prefixserve.engine import inserts
     from prefixserve.runner.pieces import PIECE_TOKENS, piece_edges
 
     model, runner = load_embedded("int4")  # the refill queue itself: any mode (offered directly below)
@@ -212,7 +210,7 @@ def test_a_turn_refill_stores_its_turn_a_piece_at_a_time():
     turn = tuple(ids) + tuple(ids[10:22])  # prompt + a 12-token "reply"
     st = runner.new_state(len(turn))
     runner.prefill(st, list(ids), 128)
-    inserts.store(core, ns, tuple(ids), st)  # the prompt's entry, as after its first token
+    core.writer.store(ns, tuple(ids), st)  # the prompt's entry, as after its first token
     num_pieces = len(piece_edges(len(turn), PIECE_TOKENS, cache.entry_lengths(ns, turn)))
     core.refills.offer(ns, turn, st, len(ids))
     store_calls = 0

@@ -74,7 +74,7 @@ class SlowRedis:
 def test_a_slow_redis_flush_runs_beside_the_engine(complete: bool) -> None:
     engine = make_engine()
     redis = SlowRedis(complete)
-    engine.core.shared = redis  # type: ignore[assignment]
+    engine.core.writer.shared = redis  # type: ignore[assignment]
     scope = FlushScope(tenant_id="a")
 
     async def go() -> tuple[Any, int, list[FlushScope], list[FlushScope]]:

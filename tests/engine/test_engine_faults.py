@@ -271,7 +271,7 @@ def test_pooled_kv_buffers_share_the_session_budget():
     assert pool.bytes == 4 * 32 * per_token
     core.add(request(p))
     core.step()
-    assert core._reserved_bytes == need and 0 < pool.bytes <= budget - need
+    assert core.scheduler.reserved_bytes == need and 0 < pool.bytes <= budget - need
     while core.has_work():
         core.step()
     pool.trim(0)

@@ -68,8 +68,8 @@ def test_prompt_logprobs_are_the_logits_of_a_prefill_of_each_prefix(embedded) ->
 
 
 def test_prompt_logprobs_of_a_hybrid_model(tmp_path) -> None:
-    from prefixserve.models.hybrid_loader import HybridHFModel, build_hybrid
     from prefixserve.models.layers import TilePlan
+    from prefixserve.models.loaders.hybrid_folder import HybridHFModel, build_hybrid
     from tests.hybrid.tiny import VOCAB, make_model
 
     make_model(str(tmp_path), layers=4, seed=3, with_tokenizer=False)

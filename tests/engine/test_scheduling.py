@@ -1,4 +1,4 @@
-"""Which prompt tokens a step feeds (EngineCore._prefill_plan): a prompt that can finish goes first,
+"""Which prompt tokens a step feeds (Scheduler.prefill_plan, engine/scheduler.py): a prompt that can finish goes first,
 a long prompt's chunks shrink deep into it so steps stay short, and it is never starved.
 
 The runner's step is replaced by one that only advances the states (no model arithmetic): what is
@@ -13,7 +13,7 @@ import torch
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import EngineCore
-from prefixserve.engine.core import CHUNK_GRAIN, LONE_CONTEXT_KEYS, LONG_CONTEXT_KEYS, SHARED_GRAIN
+from prefixserve.engine.scheduler import CHUNK_GRAIN, LONE_CONTEXT_KEYS, LONG_CONTEXT_KEYS, SHARED_GRAIN
 from prefixserve.types import Namespace, Request, SamplingParams
 from tests.conftest import load_embedded
 

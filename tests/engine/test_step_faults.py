@@ -170,7 +170,7 @@ def test_a_fault_in_any_phase_of_a_step_stays_with_its_request(phase: str, monke
     elif phase == "tier_write":
         tier = FakeTier()
         tier.offer = once(tier.offer, lambda ns, ids, st: ns.tenant_id == "a", fired)  # type: ignore[method-assign]
-        core.shared = tier  # type: ignore[assignment]
+        core.writer.shared = tier  # type: ignore[assignment]
     elif phase == "refill":  # the previous turn's refill, finished at the next turn's admission
         first = request(ps[3], "a")
         turn = [*ps[3], *reference(ps[3])]
@@ -184,7 +184,7 @@ def test_a_fault_in_any_phase_of_a_step_stays_with_its_request(phase: str, monke
     results, (next_out, next_last), share = run_scenario(engine, warmup, [a, b, c], after)
     (a_out, a_last), *others = results
     health = engine.health()
-    leaked = (core._reserved_bytes, core.num_running(), core.num_waiting(), core.has_work(),
+    leaked = (core.scheduler.reserved_bytes, core.num_running(), core.num_waiting(), core.has_work(),
               sum(e.num_pins for e in core.cache.entries()))
     asyncio.run(engine.shutdown())
 

@@ -123,7 +123,7 @@ class ServerProcess:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        # every test server shares one prepared-model cache (models/prepared.py): the first start of a run
+        # every test server shares one prepared-model cache (models/loaders/prepared.py): the first start of a run
         # prepares the GGUF (~15 s), later ones load it in ~2 s; entries are keyed by digests, never stale
         env.setdefault("PREFIXSERVE_MODEL_CACHE_DIR", TEST_MODEL_CACHE)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)

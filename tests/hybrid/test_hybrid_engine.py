@@ -14,7 +14,7 @@ from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
 from prefixserve.models import load_model
-from prefixserve.models.gated_delta import CELL
+from prefixserve.models.hybrid.gated_delta import CELL
 from prefixserve.runner import ModelRunner
 from prefixserve.runner.hybrid_state import GRID, MAX_CHECKPOINTS, checkpoint_positions
 from prefixserve.types import Namespace, Request, SamplingParams, Usage

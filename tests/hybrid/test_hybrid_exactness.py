@@ -13,7 +13,7 @@ import torch
 
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.config import CacheConfig
-from prefixserve.models.gated_delta import CELL
+from prefixserve.models.hybrid.gated_delta import CELL
 from prefixserve.runner import ModelRunner, StepItem
 from prefixserve.runner.hybrid_state import GRID, HybridSnapshot, HybridState, checkpoint_positions
 from prefixserve.runner.pieces import PieceStore
@@ -31,8 +31,8 @@ LENGTHS = (33, 64, 65, 70, 96, 127, 128, 129, 150, 191, 192, 193, 203, 256, 257,
 def runner(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("qwen35x"))
     make_model(folder, layers=4, seed=7, with_tokenizer=False)
-    from prefixserve.models.hybrid_loader import HybridHFModel, build_hybrid
     from prefixserve.models.layers import TilePlan
+    from prefixserve.models.loaders.hybrid_folder import HybridHFModel, build_hybrid
 
     dtype = torch.float32 if request.param == "fp32" else torch.bfloat16
     dec = build_hybrid(HybridHFModel(folder), dtype, TEST_DEVICE, TilePlan())

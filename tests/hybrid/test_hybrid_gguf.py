@@ -12,9 +12,9 @@ import torch
 
 from prefixserve.models import load_model
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.models.gguf_hybrid import HybridGGUFModel
-from prefixserve.models.hybrid_loader import HybridHFModel, build_hybrid
 from prefixserve.models.layers import TilePlan
+from prefixserve.models.loaders.hybrid_folder import HybridHFModel, build_hybrid
+from prefixserve.models.loaders.hybrid_gguf import HybridGGUFModel
 from prefixserve.runner import ModelRunner, StepItem
 from tests.hybrid.tiny import make_model
 

@@ -3,7 +3,7 @@ tokenizer splits otherwise than the model sampled it, and a chat template that w
 otherwise than its generation prompt led into it (Qwen3's: an empty think block in the prompt with
 thinking off, which the history does not have; a thinking reply whose reasoning the client never
 sends back). The recurrent state cannot go back, so the turn is re-fed from a cached state
-(engine/inserts.py; types.HistoryForm, models/tokenizer.py `next_turn`, docs/cache.md "Finished
+(engine/cache_writer.py; types.HistoryForm, models/tokenizer.py `next_turn`, docs/cache.md "Finished
 turns"), and the next turn hits through the reply. On tiny random hybrid (Qwen3.5-like) models with
 byte-level tokenizers."""
 

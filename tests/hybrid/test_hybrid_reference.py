@@ -12,7 +12,7 @@ import torch
 
 from prefixserve.models import load_model
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.models.hybrid import HybridDecoder
+from prefixserve.models.hybrid.decoder import HybridDecoder
 from prefixserve.runner import ModelRunner, StepItem
 from tests.hybrid.tiny import VOCAB, make_model
 

@@ -21,7 +21,7 @@ from prefixserve.cache.tier import Loaded, usable_len
 from prefixserve.config import CacheConfig, EngineConfig, SharedTierConfig
 from prefixserve.engine import EngineCore
 from prefixserve.models import load_model
-from prefixserve.models.hybrid import RecurrentState
+from prefixserve.models.hybrid.decoder import RecurrentState
 from prefixserve.runner import ModelRunner
 from prefixserve.runner.codec import SnapshotCodec
 from prefixserve.runner.hybrid_state import HybridSnapshot, checkpoint_positions

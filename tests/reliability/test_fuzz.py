@@ -4,7 +4,7 @@ The server's own `/openapi.json` is fetched from the running process. Its POST e
 raw body (so that every body error is ours to word) and therefore declare no request body, and
 `/v1/usage` reads its query itself; fuzzing that document alone would only ever send empty bodies.
 So the document is completed here, before fuzzing, with the request models the server validates
-against (`prefixserve.server.schemas`) and the usage query parameters, and every operation is run in
+against (`prefixserve.server.openai.schemas`) and the usage query parameters, and every operation is run in
 schemathesis' positive mode (schema-valid data, which reaches the model) and negative mode (data
 that breaks the schema). The target is the `tiny` server (`--max-model-len 64`), so that a
 schema-valid case costs at most a few dozen generated tokens.
@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
-from prefixserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from prefixserve.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from tests.reliability.client import ERROR_KEYS, Target, count_5xx, health, scrape, wait_idle
 from tests.reliability.conftest import SOAK, scaled
 

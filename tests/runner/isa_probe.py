@@ -12,7 +12,8 @@ import torch
 
 def main(out_path: str) -> None:
     from prefixserve.config import default_model_cache_dir
-    from prefixserve.models import load_model, native
+    from prefixserve.models import load_model
+    from prefixserve.models.kernels import native
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.runner import StepItem
 
@@ -39,7 +40,7 @@ def main(out_path: str) -> None:
         logits.append(st.logits.clone())
     out["logits"] = torch.stack(logits)
     # the decode step on int8 activations (qmatmul.c `qmatmul_x`): its own bits, the same at every level
-    from prefixserve.models import kernel_choice
+    from prefixserve.models.llama import kernel_choice
 
     kernel_choice.apply_decode(m.decoder, "int8")
     assert m.decoder.decode_int8 and m.decoder.decode_kernel == "int4"

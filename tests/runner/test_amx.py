@@ -1,4 +1,4 @@
-"""amx.c, the bf16 matmul on AMX tiles (models/amx_tiles.py): it computes the product of the bf16
+"""amx.c, the bf16 matmul on AMX tiles (models/kernels/amx_tiles.py): it computes the product of the bf16
 rows and weights, a row's bits are its own whatever the call's other rows, their count or the
 threads, and the loader takes it where the CPU has AMX unless PREFIXSERVE_DENSE_MATMUL says otherwise.
 The prompt rows' native layers on its packs: tests/runner/test_native_decode.py."""
@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixserve.models import amx_tiles, loader, native
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.models.hf_loader import HFModel
+from prefixserve.models.kernels import amx_tiles, native
 from prefixserve.models.layers import TilePlan, linear
-from prefixserve.models.weights import build_decoder
+from prefixserve.models.loaders import load
+from prefixserve.models.loaders.hf_folder import HFModel
+from prefixserve.models.loaders.llama_weights import build_decoder
 from tests.runner.test_reference import make_tiny
 
 amx = pytest.mark.skipif(not native.amx_ready(), reason="no AMX tiles on this CPU (or no native build)")
@@ -66,19 +67,19 @@ def tiny_folder(tmp_path_factory):
 
 
 def _loaded(folder: str, dtype: torch.dtype):
-    """What load_model makes of a Llama-family model's decoder after building it (`loader._widened`)."""
+    """What load_model makes of a Llama-family model's decoder after building it (`load._widened`)."""
     hf = HFModel(folder)
     dec = build_decoder(hf.arch, hf.tensor, dtype, "cpu", TilePlan())
-    loader._widened(SimpleNamespace(decoder=dec))  # type: ignore[arg-type]
+    load._widened(SimpleNamespace(decoder=dec))  # type: ignore[arg-type]
     return dec
 
 
 def test_the_loader_takes_the_tiles_where_they_run(tiny_folder, monkeypatch):
     monkeypatch.delenv("PREFIXSERVE_DENSE_MATMUL", raising=False)
     dec = _loaded(tiny_folder, torch.bfloat16)
-    # auto times the candidates (models/kernel_choice.py): the tiles are one where they run, and taken
+    # auto times the candidates (models/llama/kernel_choice.py): the tiles are one where they run, and taken
     # exactly when they won (on a tiny model under load another candidate may win)
-    assert ("amx " in dec.kernel_choice) == (native.amx_ready() and loader.cpu_has_native_bf16())
+    assert ("amx " in dec.kernel_choice) == (native.amx_ready() and load.cpu_has_native_bf16())
     assert dec.amx == ("matmul amx " in dec.kernel_choice)
     assert ("mm=amx" in dec.kernel_fingerprint()) == dec.amx  # the tiers keep its states apart
     assert not _loaded(tiny_folder, torch.float32).amx

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.models.hf_loader import HFModel
-from prefixserve.models.hybrid_loader import HybridHFModel, build_hybrid
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.weights import build_decoder
+from prefixserve.models.loaders.hf_folder import HFModel
+from prefixserve.models.loaders.hybrid_folder import HybridHFModel, build_hybrid
+from prefixserve.models.loaders.llama_weights import build_decoder
 from prefixserve.runner import ModelRunner, StepItem
 from prefixserve.runner.codec import SnapshotCodec
 from tests.hybrid.tiny import make_model

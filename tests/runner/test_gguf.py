@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.models.gguf_loader import GGUFModel
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.weights import build_decoder
+from prefixserve.models.loaders.gguf import GGUFModel
+from prefixserve.models.loaders.llama_weights import build_decoder
 from prefixserve.runner import ModelRunner, StepItem
 from tests.runner.test_reference import TINY, make_tiny
 
@@ -116,6 +116,6 @@ def test_unsupported_type_is_named(tmp_path, monkeypatch):
         raise NotImplementedError(f"no dequantisation for {qtype.name}")
 
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
-    monkeypatch.setattr(gguf.quants, "_type_traits", {})  # the block code gguf_loader.dequantize runs itself
+    monkeypatch.setattr(gguf.quants, "_type_traits", {})  # the block code loaders/gguf.dequantize runs itself
     with pytest.raises(ModelLoadError, match="Q8_0"):
         gm.tensor("model.layers.0.self_attn.q_proj.weight")

@@ -1,4 +1,4 @@
-"""4-bit decode rows (models/quant.py): the GGUF codes are read exactly, the kernel's rows are
+"""4-bit decode rows (models/kernels/int4.py): the GGUF codes are read exactly, the kernel's rows are
 independent of the batch, and the model decoded this way stays batch-invariant and close to dense."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.models.gguf_loader import GGUFModel
+from prefixserve.models.kernels.int4 import Codes, dequantize, int4_linear, pack
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.loader import gguf_decoder
-from prefixserve.models.quant import Codes, dequantize, int4_linear, pack
+from prefixserve.models.loaders.gguf import GGUFModel
+from prefixserve.models.loaders.load import gguf_decoder
 from prefixserve.runner import ModelRunner, StepItem
 from tests.runner.test_gguf import Q, write_tiny_gguf
 from tests.runner.test_reference import TINY, make_tiny
@@ -109,7 +109,7 @@ def test_int4_decode_is_batch_invariant_and_close_to_dense(tiny_q4, matmuls):
         for r in (runner, dense):
             r.decoder.use_fp32_matmuls(q4=matmuls == "q4")
         if matmuls == "q4" and not runner.decoder.prefill_q4:
-            pytest.skip("no native 4-bit packs here (models/native.py)")
+            pytest.skip("no native 4-bit packs here (models/kernels/native.py)")
         assert runner.decoder.prefill_q4 == (matmuls == "q4")
         assert (runner.decoder.layers[0].qkv.dtype == torch.float32) == (matmuls == "fp32")
         assert dense.decoder.layers[0].qkv.dtype == torch.float32 and not dense.decoder.prefill_q4
@@ -172,7 +172,7 @@ def test_fp32_matmuls_keep_prefill_chunk_invariant_and_close_to_bf16(tiny_q4, q4
     wide = ModelRunner(load(tiny_q4, torch.bfloat16))
     wide.decoder.use_fp32_matmuls(q4=q4)
     if q4 and not wide.decoder.prefill_q4:
-        pytest.skip("no native 4-bit packs here (models/native.py)")
+        pytest.skip("no native 4-bit packs here (models/kernels/native.py)")
     other = ModelRunner(load(tiny_q4, torch.bfloat16))
     other.decoder.use_fp32_matmuls(q4=not q4)
     modes = 3 if wide.decoder.prefill_q4 or other.decoder.prefill_q4 else 2  # (no packs: other is fp32 too)
@@ -202,7 +202,7 @@ def test_self_test_refusing_4bit_decode_moves_q4_prefill_to_checked_fp32_tiles(t
     runner = ModelRunner(load(tiny_q4, torch.bfloat16, decode_kernel="int4"))
     runner.decoder.use_fp32_matmuls()
     if not runner.decoder.prefill_q4:
-        pytest.skip("no native 4-bit packs here (models/native.py)")
+        pytest.skip("no native 4-bit packs here (models/kernels/native.py)")
     checked, real = [], selftest.check_tile_rows
     monkeypatch.setattr(selftest, "check_tile_rows", lambda dec, plan: checked.append(
         [name for name, *_ in selftest._dense_tiles(dec, plan)]) or real(dec, plan))

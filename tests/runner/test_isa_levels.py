@@ -1,5 +1,5 @@
 """The native kernels at every instruction-set level this CPU can execute (PREFIXSERVE_NATIVE_ISA,
-models/native.py): an AVX2 build (the code an AMD Zen 3 runs) gives the very bits of an AVX-512 one,
+models/kernels/isa.py): an AVX2 build (the code an AMD Zen 3 runs) gives the very bits of an AVX-512 one,
 kernel by kernel and for the embedded model's prefill and 4-bit decode, and a state resumed at a
 split point equals the one-shot run at each level. Each level runs in its own process
 (tests/runner/isa_probe.py), since a process loads one build."""
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from prefixserve.models import native
+from prefixserve.models.kernels import isa, native
 
 # x86-64-v2 ("generic", simd.h's plain C) is too slow to run a model in a test; it is built in
 # test_plain_c_level_builds
@@ -47,7 +47,7 @@ def test_avx2_build_gives_the_avx512_bits(tmp_path):
 def test_plain_c_level_builds(tmp_path):
     """x86-64-v2 (simd.h's plain C, what a CPU without AVX2 + FMA runs) compiles and loads; the
     other levels are built by the probes above."""
-    code = ("import prefixserve.models.native as n, sys; lib = n.library(); "
+    code = ("import prefixserve.models.kernels.native as n, sys; lib = n.library(); "
             "sys.exit(0 if lib is not None and n.isa() == 'generic' else 1)")
     env = {**os.environ, "PREFIXSERVE_NATIVE_ISA": "generic", "PREFIXSERVE_NATIVE_DIR": str(tmp_path),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -55,29 +55,29 @@ def test_plain_c_level_builds(tmp_path):
 
 
 def test_levels_refuse_what_this_cpu_lacks(monkeypatch):
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "fpu sse sse2 avx avx2 fma")
-    assert native.executable_levels() == ["native", "avx2", "generic"]
+    monkeypatch.setattr(isa, "cpu_flags", lambda: "fpu sse sse2 avx avx2 fma")
+    assert isa.executable_levels() == ["native", "avx2", "generic"]
     monkeypatch.setenv("PREFIXSERVE_NATIVE_ISA", "avx512")
     with pytest.raises(ValueError, match="lacks avx512f"):
-        native.isa()
+        isa.isa()
     monkeypatch.setenv("PREFIXSERVE_NATIVE_ISA", "sse9")
     with pytest.raises(ValueError, match="must be one of"):
-        native.isa()
+        isa.isa()
 
 
 def test_effective_flags_drop_what_the_level_leaves_out(monkeypatch):
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile avx_vnni")
+    monkeypatch.setattr(isa, "cpu_flags", lambda: "avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile avx_vnni")
     monkeypatch.setenv("PREFIXSERVE_NATIVE_ISA", "avx2")
-    assert native.effective_flags() == ["avx2", "fma"]
+    assert isa.effective_flags() == ["avx2", "fma"]
     monkeypatch.setenv("PREFIXSERVE_NATIVE_ISA", "avx512")
-    assert native.effective_flags() == ["avx2", "fma", "avx512f", "avx512_bf16", "avx_vnni"]
+    assert isa.effective_flags() == ["avx2", "fma", "avx512f", "avx512_bf16", "avx_vnni"]
     monkeypatch.setenv("PREFIXSERVE_NATIVE_ISA", "native")
-    assert "amx_tile" in native.effective_flags()
+    assert "amx_tile" in isa.effective_flags()
 
 
 _INT8_CODE = """
 import sys, torch
-from prefixserve.models import native
+from prefixserve.models.kernels import native
 g = torch.Generator().manual_seed(11)
 out = {"isa": native.isa()}
 for kind, (n, k, rows) in ((0, (3, 576, 64)), (0, (1, 1536, 32)), (1, (5, 576, 48))):

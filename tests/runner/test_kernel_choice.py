@@ -1,4 +1,4 @@
-"""Kernels chosen by timing (models/kernel_choice.py): the choosing logic on given timings, what the
+"""Kernels chosen by timing (models/llama/kernel_choice.py): the choosing logic on given timings, what the
 start-up log says, and the real decoder configured by the verdict, remembered for the next process."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.models import kernel_choice, load_model
-from prefixserve.models.kernel_choice import KernelChoice, fastest
+from prefixserve.models import load_model
+from prefixserve.models.llama import kernel_choice
+from prefixserve.models.llama.kernel_choice import KernelChoice, fastest
 
 
 def test_fastest_takes_the_least_time_of_its_group():
@@ -37,7 +38,6 @@ def test_decode_activations_follow_the_timing_unless_set(monkeypatch):
 
     class Dec:
         int4_decode = True
-        _native_plan = False
 
     with pytest.raises(ValueError, match="auto, fp32 or int8"):
         kernel_choice.decode_wanted(Dec())  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The native attention kernel (models/native.py, attention.c): it computes what attention is, and a
+"""The native attention kernel (models/kernels/native.py, attention.c): it computes what attention is, and a
 row's bits depend on its own query and keys only -- the exactness contract's attention rule by
 construction (docs/exactness.md)."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from prefixserve.models import native
+from prefixserve.models.kernels import native
 from prefixserve.models.layers import block_attention
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native kernels are not built")
@@ -114,7 +114,7 @@ def test_unsupported_shapes_and_devices_use_the_torch_formulation():
 
 
 def _library_in_fresh_process(tmp_path, **env: str) -> str:
-    code = "from prefixserve.models import native; print(native.library() is not None)"
+    code = "from prefixserve.models.kernels import native; print(native.library() is not None)"
     run_env = {**os.environ, "PREFIXSERVE_NATIVE_DIR": str(tmp_path / "build"), **env}
     out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300,
                          check=True)
@@ -134,7 +134,7 @@ def test_no_compiler_or_a_failed_build_falls_back_with_a_warning(tmp_path):
 
 
 def test_a_call_split_between_threads_gives_the_same_bits():
-    from prefixserve.models.threads import KernelThreads
+    from prefixserve.models.kernels.threads import KernelThreads
 
     kt = KernelThreads()
     kv = cache(3, 900, 64, torch.bfloat16, capacity=960)

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.models import native
+from prefixserve.models.kernels import native
 
 
 def test_prebuild_then_library_in_a_fresh_process(tmp_path: Path) -> None:
     """A process that starts the build before importing torch gets the kernels from that build (one
     file, named as `library()` alone names it), and had not imported torch to start it."""
-    code = ("import sys; from prefixserve.models import native_build; native_build.prebuild(); "
-            "assert 'torch' not in sys.modules; from prefixserve.models import native; "
+    code = ("import sys; from prefixserve.models.kernels import native_build; native_build.prebuild(); "
+            "assert 'torch' not in sys.modules; from prefixserve.models.kernels import native; "
             "lib = native.library(); print(lib is not None, native.build_name())")
     env = {**os.environ, "PREFIXSERVE_NATIVE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True,
@@ -30,7 +30,7 @@ def test_prebuild_then_library_in_a_fresh_process(tmp_path: Path) -> None:
 
 
 def test_a_failed_build_is_reported_once_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefixserve.models import native_build
+    from prefixserve.models.kernels import native_build
 
     monkeypatch.setenv("PREFIXSERVE_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(native_build, "_built", None)

@@ -1,4 +1,4 @@
-"""The kernels' directory is checked before a library in it is loaded (models/native_build.py
+"""The kernels' directory is checked before a library in it is loaded (models/kernels/native_build.py
 `check_private`): another user's, or one others may write, is refused with an ERROR line and the
 server computes with torch, never loading code someone else could have put there."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.models import native, native_build
+from prefixserve.models.kernels import native, native_build
 
-LOAD = "from prefixserve.models import native; print(native.library() is not None)"
+LOAD = "from prefixserve.models.kernels import native; print(native.library() is not None)"
 
 
 def load_in(build_dir: Path) -> tuple[bool, str]:

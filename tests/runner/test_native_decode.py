@@ -1,5 +1,5 @@
 """The native 4-bit matmul (qmatmul.c), the one-call decode step and the native prefill layers (decode.c,
-models/native_decode.py): they compute what the weights say, a row's bits are its own whatever the
+models/llama/native_decode.py): they compute what the weights say, a row's bits are its own whatever the
 batch, the chunking and the thread count, and a model run this way stays close to its torch
 formulation (llama, qwen2's qkv bias, qwen3's q/k norms)."""
 
@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.models import amx_tiles, kernel_choice, native, native_decode
-from prefixserve.models.decoder import Segment
-from prefixserve.models.hf_loader import HFModel
+from prefixserve.models.kernels import native
+from prefixserve.models.kernels.int4 import GROUP, Codes, dequantize, int4_linear, pack
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.quant import GROUP, Codes, dequantize, int4_linear, pack
-from prefixserve.models.weights import attach_int4, build_decoder
+from prefixserve.models.llama import kernel_choice, native_decode
+from prefixserve.models.loaders.hf_folder import HFModel
+from prefixserve.models.loaders.llama_weights import attach_int4, build_decoder
+from prefixserve.models.segment import Segment
 from prefixserve.runner import ModelRunner, StepItem
 from tests.runner.test_reference import make_tiny
 
@@ -87,9 +88,9 @@ def _start(r: ModelRunner, ids: list[int]):
 
 def _torch_packed(folder: str, monkeypatch) -> ModelRunner:
     """The same 4-bit codes packed for torch's kernel: decode rows run the per-layer torch formulation."""
-    from prefixserve.models import weights
+    from prefixserve.models.loaders import llama_weights
     with monkeypatch.context() as m:
-        m.setattr(weights, "native_available", lambda dtype, device: False)
+        m.setattr(llama_weights, "native_available", lambda dtype, device: False)
         r = _runner(folder, int4=True)
     assert r.decoder.native_decode_plan() is None
     return r
@@ -116,7 +117,7 @@ def test_decode_step_computes_what_the_torch_formulation_does(tiny, monkeypatch)
 
 
 def test_int8_activations_stay_near_fp32_ones(tiny):
-    """The decode step on int8 activations (qmatmul.c `qmatmul_x`, models/kernel_choice.py): the same
+    """The decode step on int8 activations (qmatmul.c `qmatmul_x`, models/llama/kernel_choice.py): the same
     codes, activations rounded to 8 bits per 32 inputs, so nearly the fp32 step's logits."""
     fp32, int8 = _runner(tiny, int4=True), _runner(tiny, int4=True)
     kernel_choice.apply_decode(int8.decoder, "int8")
@@ -217,7 +218,7 @@ def test_roofline_counts_the_native_packs(tiny):
 
 def _prefill_runner(folder: str, matmuls: str) -> ModelRunner:
     """Prompt rows a layer per native call: on the 4-bit codes ("q4", what a CPU without bf16
-    arithmetic runs) or on the bf16 weights' AMX packs ("amx", a CPU with AMX: models/amx_tiles.py)."""
+    arithmetic runs) or on the bf16 weights' AMX packs ("amx", a CPU with AMX: models/kernels/amx_tiles.py)."""
     r = _runner(folder, int4=True)
     if matmuls == "q4":
         r.decoder.use_fp32_matmuls()
@@ -225,7 +226,7 @@ def _prefill_runner(folder: str, matmuls: str) -> ModelRunner:
     else:
         if not native.amx_ready():
             pytest.skip("no AMX tiles on this CPU")
-        assert amx_tiles.attach(r.decoder) == 4 * r.decoder.arch.num_layers  # the logits keep the 4-bit head
+        assert r.decoder.use_amx_tiles() == 4 * r.decoder.arch.num_layers  # the logits keep the 4-bit head
     plan = r.decoder.native_decode_plan()
     assert plan is not None and (plan.prefill_weights is not None) == (matmuls == "amx")
     return r

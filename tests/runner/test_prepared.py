@@ -1,4 +1,4 @@
-"""The prepared-model cache (models/prepared.py): a cached load gives the same tensors, bit for bit,
+"""The prepared-model cache (models/loaders/prepared.py): a cached load gives the same tensors, bit for bit,
 and a tokenizer that behaves the same; a damaged entry is dropped, never used."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixserve.models import load_model, prepared
-from prefixserve.models.decoder import Decoder
+from prefixserve.models import load_model
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.loader import LoadedModel, embedded_model_path
+from prefixserve.models.llama.decoder import Decoder
+from prefixserve.models.loaders import prepared
+from prefixserve.models.loaders.load import LoadedModel, embedded_model_path
 from prefixserve.runner import ModelRunner, StepItem
 
 MESSAGES = [

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from prefixserve.models.arch import ModelLoadError
-from prefixserve.models.hf_loader import HFModel
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.weights import build_decoder
+from prefixserve.models.loaders.hf_folder import HFModel
+from prefixserve.models.loaders.llama_weights import build_decoder
 from prefixserve.runner import ModelRunner, StepItem
 
 TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 3,

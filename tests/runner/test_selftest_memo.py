@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from prefixserve.models import load_model
-from prefixserve.models.loader import LoadedModel
-from prefixserve.models.threads import KERNEL_THREADS
+from prefixserve.models.kernels.threads import KERNEL_THREADS
+from prefixserve.models.loaders.load import LoadedModel
 from prefixserve.runner import ModelRunner, StepItem, identity, selftest, selftest_memo
 from prefixserve.runner.selftest import SelfTestResult
 from tests.conftest import IN_PROCESS_THREADS

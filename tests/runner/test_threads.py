@@ -1,4 +1,4 @@
-"""More threads for the big matmuls (models/threads.py): only for kinds of call the self-test showed
+"""More threads for the big matmuls (models/kernels/threads.py): only for kinds of call the self-test showed
 thread-count invariant, back to torch's count while another process holds a core, and never a
 different bit."""
 
@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from prefixserve.models.hf_loader import HFModel
+from prefixserve.models.kernels.threads import KernelThreads
 from prefixserve.models.layers import TilePlan
-from prefixserve.models.threads import KernelThreads
-from prefixserve.models.weights import build_decoder
+from prefixserve.models.loaders.hf_folder import HFModel
+from prefixserve.models.loaders.llama_weights import build_decoder
 from prefixserve.runner import selftest
 from tests.runner.test_reference import make_tiny
 

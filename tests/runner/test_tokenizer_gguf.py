@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixserve.models.gguf_loader import read_gguf
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.gguf import read_gguf
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import GENERIC_TOKENIZER_ARCHS, load_tokenizer_gguf
 
 TEXTS = ["", "Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café — ünïcödé 你好 🙂👍🏽",
@@ -83,7 +83,7 @@ def test_header_reader_matches_the_gguf_package() -> None:
 
 def test_dequantisation_matches_the_gguf_package_bit_for_bit() -> None:
     gguf = pytest.importorskip("gguf")
-    from prefixserve.models.gguf_loader import dequantize
+    from prefixserve.models.loaders.gguf import dequantize
 
     _, tensors = read_gguf(embedded_model_path())
     kinds = set()

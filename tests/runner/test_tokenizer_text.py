@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import MARK_CLOSE, MARK_OPEN, Tokenizer, load_tokenizer_gguf
 from prefixserve.types import TemplateError
 
@@ -62,7 +62,7 @@ def test_earlier_tool_calls_stay_in_a_prompt_without_tools(tok: Tokenizer) -> No
     tools write it."""
     from types import SimpleNamespace
 
-    from prefixserve.server.chat import render_prompt
+    from prefixserve.server.openai.chat import render_prompt
 
     engine = SimpleNamespace(tokenizer=tok, max_model_len=8192)
     call = {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.middleware import RequestCounter
+from prefixserve.server.operator.metrics import ServerMetrics
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
          "query_string": b"a=1", "http_version": "1.1", "client": ("127.0.0.1", 5000), "headers": []}

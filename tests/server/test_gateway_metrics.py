@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
-from prefixserve.server.metrics import ServerMetrics, session_usage
+from prefixserve.server.operator.metrics import ServerMetrics, session_usage
 from prefixserve.types import Namespace, Request, SamplingParams
 from tests.conftest import load_embedded
 from tests.helpers.fake_engine import FakeEngine

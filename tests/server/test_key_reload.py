@@ -1,4 +1,4 @@
-"""SIGHUP reads the API keys again (server/auth.py, `reload_keys`): keys are added, rotated and removed
+"""SIGHUP reads the API keys again (server/operator/auth.py, `reload_keys`): keys are added, rotated and removed
 without a restart, which would lose the RAM cache; a tenant keeps its cache across a rotation of its
 key; a file that cannot be read changes nothing."""
 
@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixserve.server.auth import KeyStore, reload_keys
 from prefixserve.server.errors import APIError
+from prefixserve.server.operator.auth import KeyStore, reload_keys
 from tests.helpers.server_proc import ServerProcess
 
 SYSTEM = "You are the archivist of the harbour museum. " + " ".join(
@@ -48,7 +48,7 @@ def test_reload_swaps_every_key_at_once_and_a_failed_read_changes_nothing(caplog
 def test_a_keys_file_is_read_as_an_editor_writes_it_and_a_bad_one_says_where(tmp_path: Path) -> None:
     """QA: a byte-order mark (Windows editors) became part of the first key, and every client was
     locked out; a key listed twice named neither line; a NUL-only line was a key."""
-    from prefixserve.server.auth import read_keys_file
+    from prefixserve.server.operator.auth import read_keys_file
 
     f = tmp_path / "keys"
     f.write_bytes(b"\xef\xbb\xbfsk-plain\r\nalice sk-a\n")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
-from prefixserve.server.logprobs import LogprobRenderer
+from prefixserve.server.openai.logprobs import LogprobRenderer
 from prefixserve.types import TokenLogprob
 from tests.server.conftest import KEY_A
 

@@ -17,8 +17,8 @@ from prefixserve.config import ServerConfig
 from prefixserve.ledger import Ledger
 from prefixserve.ledger import store as ledger_store
 from prefixserve.server.app import create_app
-from prefixserve.server.auth import KeyStore, parse_key_spec, read_keys_file
-from prefixserve.server.response_disk import TABLE, open_disk
+from prefixserve.server.openai.responses.disk import TABLE, open_disk
+from prefixserve.server.operator.auth import KeyStore, parse_key_spec, read_keys_file
 from prefixserve.types import LEGACY_OPEN_TENANT_ID, OPEN_TENANT_ID
 from tests.helpers.fake_engine import FakeEngine
 

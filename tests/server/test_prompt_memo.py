@@ -1,4 +1,4 @@
-"""Recently encoded prompts (server/prompt_memo.py): the same ids as encoding, kept per namespace, so
+"""Recently encoded prompts (server/openai/prompt_memo.py): the same ids as encoding, kept per namespace, so
 another tenant or salt encodes its own; bounded; forgotten by a cache flush; errors never kept."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixserve.server.prompt_memo import MIN_TOKENS, NotRemembered, PromptMemo, input_digest
+from prefixserve.server.openai.prompt_memo import MIN_TOKENS, NotRemembered, PromptMemo, input_digest
 from prefixserve.types import FlushScope, Namespace
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import KEY_A, KEY_B
@@ -147,7 +147,7 @@ def test_http_a_remembered_prompt_is_prepared_without_the_thread_pool(make_clien
     """The first request of a prompt is prepared in the thread pool (its encoding must not stall the
     event loop); a repeat is prepared on the event loop: same ids, no thread hop. Tools (a grammar
     to check) always take the pool."""
-    import prefixserve.server.app as app_module
+    import prefixserve.server.openai.routes as app_module
 
     hops: list[str] = []
     real = app_module.run_in_threadpool

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from prefixserve.config import ServerConfig
 from prefixserve.server.app import create_app
-from prefixserve.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
-from prefixserve.server.responses import ChatShape, ChoiceOutput
+from prefixserve.server.openai.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
+from prefixserve.server.openai.shapes import ChatShape, ChoiceOutput
 from prefixserve.types import Usage
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import KEY_A, auth
@@ -150,7 +150,7 @@ def test_a_qwen3_like_tokenizer_thinks_and_its_prompt_says_where_the_reply_start
 ) -> None:
     from types import SimpleNamespace
 
-    from prefixserve.server.chat import thinking_start
+    from prefixserve.server.openai.chat import thinking_start
 
     assert thinking_tokenizer.thinks
     ids = thinking_tokenizer.render_chat([{"role": "user", "content": "2 + 2?"}], None, True, kwargs)
@@ -161,7 +161,7 @@ def test_a_qwen3_like_tokenizer_thinks_and_its_prompt_says_where_the_reply_start
 
 
 def test_a_template_without_think_tags_does_not_think() -> None:
-    from prefixserve.models.loader import embedded_model_path
+    from prefixserve.models.loaders.load import embedded_model_path
     from prefixserve.models.tokenizer import load_tokenizer_gguf
 
     tokenizer = load_tokenizer_gguf(embedded_model_path())

@@ -326,7 +326,7 @@ def test_an_item_reference_replays_a_stored_item(client: TestClient, engine: Fak
 
 
 def test_the_store_forgets_least_recently_used_first_within_its_bounds() -> None:
-    from prefixserve.server.response_store import ResponseStore
+    from prefixserve.server.openai.responses.store import ResponseStore
 
     store = ResponseStore(max_items=2, max_chars=10_000)
     for rid in ("a", "b"):
@@ -343,7 +343,7 @@ def test_the_store_forgets_least_recently_used_first_within_its_bounds() -> None
 
 def test_a_tenant_storing_many_responses_evicts_its_own_first() -> None:
     """The server's bounds are shared fairly: past one, the tenant holding the most loses its oldest."""
-    from prefixserve.server.response_store import ResponseStore
+    from prefixserve.server.openai.responses.store import ResponseStore
 
     store = ResponseStore(max_items=4, max_chars=10_000)
     store.put("carol", "c1", [], (), {"id": "c1"})

@@ -1,4 +1,4 @@
-"""Stored responses survive a restart (server/response_disk.py): the store reopened on its SQLite file
+"""Stored responses survive a restart (server/openai/responses/disk.py): the store reopened on its SQLite file
 answers GET, input_items, `item_reference` and `previous_response_id` as before (the same prompt ids),
 per tenant; evictions, DELETE and the bounds reach the file; `store: false` and --no-responses-persist
 write nothing; a file that cannot be opened stops `serve` naming the flag and the path."""
@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from prefixserve.config import ServerConfig
 from prefixserve.server import run, settings
 from prefixserve.server.app import create_app
-from prefixserve.server.auth import KeyStore
-from prefixserve.server.response_disk import TABLE, open_disk
-from prefixserve.server.response_store import ResponseStore
+from prefixserve.server.openai.responses.disk import TABLE, open_disk
+from prefixserve.server.openai.responses.store import ResponseStore
+from prefixserve.server.operator.auth import KeyStore
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import KEY_A, KEY_B, auth
 
@@ -81,7 +81,7 @@ def test_a_stored_response_survives_a_restart_for_its_tenant_only(tmp_path: Path
         assert client.get(f"{R}/{first['id']}", headers=auth()).status_code == 200  # still the owner's
     tenants = {tenant for tenant, _ in _rows(path)}
     assert tenants == {KeyStore.from_specs(KEYS).identify(f"Bearer {KEY_A}").tenant_id}
-    assert not any(KEY_A in t or KEY_B in t for t in tenants)  # a derived id, never the key (server/auth.py)
+    assert not any(KEY_A in t or KEY_B in t for t in tenants)  # a derived id, never the key (server/operator/auth.py)
 
 
 def test_delete_and_store_false_reach_the_file(tmp_path: Path) -> None:

@@ -14,8 +14,14 @@ import pytest
 
 from prefixserve.config import ServerConfig
 from prefixserve.server import run, settings
-from prefixserve.server.auth import OPEN_TENANT_ID, KeyStore, bearer_token, parse_key_spec, read_keys_file
 from prefixserve.server.errors import APIError
+from prefixserve.server.operator.auth import (
+    OPEN_TENANT_ID,
+    KeyStore,
+    bearer_token,
+    parse_key_spec,
+    read_keys_file,
+)
 
 
 def test_key_specs_and_tenant_ids() -> None:

@@ -69,7 +69,7 @@ def test_completion_prompt_as_token_ids(client: TestClient, engine: FakeEngine) 
         assert r.status_code == 200, r.text
     assert engine.requests[0].prompt_ids == (100, 101, 102)
     assert engine.requests[2].prompt_ids == tuple(b + 3 for b in b"abc")
-    # a client of ids sends the sampled ids back; of text, the text (engine/inserts.py offer_turn)
+    # a client of ids sends the sampled ids back; of text, the text (engine/cache_writer.py offer_turn)
     assert [r.text_history for r in engine.requests] == [False, False, True]
     r = client.post("/v1/completions", json={"prompt": ["abc", [100, 101]], "max_tokens": 2}, headers=auth())
     assert r.status_code == 200, r.text

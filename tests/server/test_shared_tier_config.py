@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from prefixserve.config import SharedTierConfig
-from prefixserve.server.run import run_serve, shared_tier_config
+from prefixserve.server.launch import shared_tier_config
+from prefixserve.server.run import run_serve
 from prefixserve.server.settings import add_serve_args
 
 URL = "redis://127.0.0.1:6379/0"

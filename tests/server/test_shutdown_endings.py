@@ -7,7 +7,7 @@ second and can reach the paths a real model cannot be made to take on purpose:
 - the engine does not end them (its step has not returned) or a request waits for a body never sent,
   and SETTLE_S later the shutdown cancels their tasks: each still gets its last word, the 503 in
   OpenAI's shape or the stream's error event (+ `[DONE]` for chat), not uvicorn's plain-text 500 or a
-  stream cut without a reason (server/endings.py).
+  stream cut without a reason (server/in_flight.py).
 
 tests/reliability/test_shutdown_timeout.py covers the grace path end to end on the real model.
 """

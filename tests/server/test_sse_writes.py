@@ -1,4 +1,4 @@
-"""The SSE body's writes (server/streaming.py): one per delta, the opening chunks with the first
+"""The SSE body's writes (server/openai/streaming.py): one per delta, the opening chunks with the first
 delta's, the last delta's with the usage chunk and [DONE]; the events are the same either way."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prefixserve.server.metrics import ServerMetrics
-from prefixserve.server.responses import ChatShape
-from prefixserve.server.streaming import sse_events
-from prefixserve.server.tracking import RequestTracker
+from prefixserve.server.openai.shapes import ChatShape
+from prefixserve.server.openai.streaming import sse_events
+from prefixserve.server.operator.accounting import RequestTracker
+from prefixserve.server.operator.metrics import ServerMetrics
 from prefixserve.types import Delta, FinishReason, Usage
 
 

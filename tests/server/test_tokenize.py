@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import ADMIN, auth

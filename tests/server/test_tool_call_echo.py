@@ -14,9 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from prefixserve.engine.grammar import grammar_source
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
-from prefixserve.server.tools import ToolCallStream, ToolSetup, call_grammar, parse_tool_calls
+from prefixserve.server.openai.tools import ToolCallStream, ToolSetup, call_grammar, parse_tool_calls
 from prefixserve.types import Constraint
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import auth

@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 from prefixserve.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from prefixserve.engine import build_engine
 from prefixserve.models.tokenizer import load_tokenizer_folder
-from prefixserve.server import tools
 from prefixserve.server.app import create_app
-from prefixserve.server.chat import fallback_messages
+from prefixserve.server.openai import tools
+from prefixserve.server.openai.chat import fallback_messages
 from tests.hybrid.tiny import make_model
 
 pytestmark = pytest.mark.slow

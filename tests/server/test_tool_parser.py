@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prefixserve.engine.grammar import check_constraint
-from prefixserve.server.tools import (
+from prefixserve.server.openai.tools import (
     ParsedReply,
     ToolCallStream,
     ToolSetup,

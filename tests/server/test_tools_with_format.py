@@ -18,9 +18,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from prefixserve.engine.grammar import embedded_schema, grammar_source
-from prefixserve.models.loader import embedded_model_path
+from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_gguf
-from prefixserve.server.tools import call_text, calls_or_answer_grammar
+from prefixserve.server.openai.tools import call_text, calls_or_answer_grammar
 from prefixserve.types import Constraint
 from tests.helpers.fake_engine import FakeEngine
 from tests.server.conftest import auth

@@ -1,0 +1,59 @@
+"""`prefixserve serve | generate | bench | usage`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's flags, without running anything: `main` parses with it, and
+    tools/flags_doc.py writes docs/flags.md from it."""
+    parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from prefixserve.server.settings import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="start the OpenAI-compatible server"))
+
+    from prefixserve.cli.generate import add_generate_args
+
+    add_generate_args(sub.add_parser("generate", help="answer one prompt and print TTFT and tokens/s"))
+
+    bench = sub.add_parser("bench", help="benchmarks that print numbers")
+    bench.add_argument("what", choices=["engine", "cache"])
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--only", choices=["shared"], default=None, help="cache: only the shared-tier (Redis) part")
+
+    from prefixserve.ledger.cli import add_usage_args
+
+    add_usage_args(sub.add_parser("usage", help="print the per-tenant, per-day usage ledger"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        # before the heavy imports: a SIGHUP (logrotate's, an operator's) must never kill a starting
+        # server; once it serves, SIGHUP reads the API keys again (server/operator/auth.py, `reload_keys`)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from prefixserve.server.run import run_serve
+
+        return run_serve(args)
+    if args.command == "generate":
+        from prefixserve.cli.generate import run_generate
+
+        return run_generate(args)
+    if args.command == "bench":
+        from prefixserve.benchmarks import run_bench
+
+        return run_bench(args)
+    from prefixserve.ledger.cli import run_usage
+
+    return run_usage(args)
+

@@ -1,0 +1,164 @@
+"""Building the native kernels (models/kernels/native.py): the compiler run, importable without torch.
+
+It owns what a build is made of: the C sources beside this file (`SOURCES`, `HEADERS`), the flags
+(`FLAGS` and the ISA level's `isa.march_flags()`), the directory of built files (`build_dir()`) and
+the build's identity (`digest()`).
+
+`prebuild()` starts the build on a thread as soon as a process knows it will want the
+kernels (`prefixserve serve` does before importing torch), so the compiler runs on another core while
+the process imports torch and parses the model; `native.library()` then waits for that build
+(`built_path`) instead of starting its own. The result is the same file either way: its name is a
+digest of the source, the flags, the compiler's version and the CPU's flags (`digest()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+
+from prefixserve.models.kernels import isa
+
+log = logging.getLogger("prefixserve.models")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = tuple(os.path.join(HERE, name) for name in ("attention.c", "qmatmul.c", "amx.c", "decode.c"))
+HEADERS = (os.path.join(HERE, "simd.h"),)
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
+NICE_INCREMENT = 10  # the compilers' priority below this process's
+_build_lock = threading.Lock()  # held while the kernels compile: `built_path` waits for `prebuild`'s build
+_built: str | BaseException | None = None  # the built file's path, or why the build failed
+_digest: str | None = None
+
+
+def build_dir() -> str:
+    """Where built kernels go: PREFIXSERVE_NATIVE_DIR, else `$XDG_CACHE_HOME/prefixserve/native`."""
+    # XDG's cache home, as config.cache_home computes it (models import nothing of ours above them).
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.environ.get("PREFIXSERVE_NATIVE_DIR") or os.path.join(base, "prefixserve", "native")
+
+
+def digest() -> str:
+    """The built kernel's identity: source, flags, CPU flags (what -march=native sees). Part of the
+    tier fingerprint: a state computed by another build is another state."""
+    global _digest
+    if _digest is None:
+        h = hashlib.blake2b(digest_size=8)
+        for path in SOURCES + HEADERS:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        h.update(" ".join(FLAGS + isa.march_flags()).encode())
+        h.update(isa.cpu_flags().encode())
+        _digest = h.hexdigest()
+    return _digest
+
+
+def _build(cc: str) -> str:
+    """The built kernels' path: compiled now unless a file of this name is there. Each source is
+    compiled on its own (`-c`, all at once, at a lower priority: one translation unit each, as one
+    `cc` call with all of them compiles them), then linked."""
+    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    name = hashlib.blake2b((digest() + version).encode(), digest_size=12).hexdigest()
+    out_dir = build_dir()
+    path = os.path.join(out_dir, f"kernels-{name}.so")
+    if os.path.isfile(path):
+        check_private(out_dir, path)
+        return path
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    check_private(out_dir)
+    work = tempfile.mkdtemp(prefix=".build-", dir=out_dir)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        flags = [*FLAGS, *isa.march_flags()]
+        objs = [os.path.join(work, os.path.basename(src) + ".o") for src in SOURCES]
+        for src, obj in zip(SOURCES, objs, strict=True):
+            procs.append(subprocess.Popen([*_lower_priority(), cc, *flags, "-c", "-o", obj, src], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        tmp = os.path.join(work, "kernels.so")
+        subprocess.run([cc, *flags, "-o", tmp, *objs, "-lm"], check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
+    finally:
+        for proc in procs:  # a failed or timed-out build leaves no compiler running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+class UnsafeBuildDir(OSError):
+    """The kernels' directory or file is another user's, or others may write it: loading a library from
+    it would run whatever they put there, in this process (library() falls back to torch)."""
+
+
+def check_private(out_dir: str, path: str | None = None) -> None:
+    """Raise UnsafeBuildDir (and log it at ERROR) unless `out_dir`, and `path` in it when given (a built
+    library, a regular file, not a link), are owned by this process's user and writable by no group
+    and no other user. Checked before a library there is loaded or built."""
+    for p in (out_dir,) if path is None else (out_dir, path):
+        st = os.stat(p) if p == out_dir else os.lstat(p)
+        why = (f"owned by uid {st.st_uid}, not this process's {os.geteuid()}" if st.st_uid != os.geteuid()
+               else "not a regular file" if p == path and not stat.S_ISREG(st.st_mode)
+               else "writable by its group or others" if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+        if why is not None:
+            log.error("native kernels: refusing %s: %s (chmod go-w it or set PREFIXSERVE_NATIVE_DIR to a directory "
+                      "of your own); attention uses its torch formulation", p, why)
+            raise UnsafeBuildDir(f"{p} is {why}")
+
+
+def _lower_priority() -> list[str]:
+    """The command prefix that runs a compiler at NICE_INCREMENT below this process (`nice`, where
+    there is one), so it yields the CPU to the start-up's own Python, which the whole start-up waits
+    on, and uses the cycles that leaves."""
+    nice = shutil.which("nice")
+    return [nice, "-n", str(NICE_INCREMENT)] if nice else []
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH; None where there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def built_path(cc: str) -> str:
+    """`_build(cc)` once per process; a later call (or one waiting while `prebuild`'s thread builds)
+    gets the same path, or the same exception again."""
+    global _built
+    with _build_lock:
+        if _built is None:
+            try:
+                _built = _build(cc)
+            except (OSError, subprocess.SubprocessError) as e:
+                _built = e
+    if isinstance(_built, BaseException):
+        raise _built
+    return _built
+
+
+def prebuild() -> None:
+    """Start building (or finding) the kernels on a thread, so the compiler runs on another core
+    while this process imports torch and loads the model; `library()` waits for it. Nothing where
+    `library()` would not build (PREFIXSERVE_NATIVE=0, an ISA level this CPU cannot run, no compiler).
+    Not a daemon: a process that exits meanwhile (SIGTERM while importing) waits for the build to end;
+    as a daemon thread its exit hung."""
+    cc = compiler()
+    try:
+        isa.isa()
+    except ValueError:
+        return
+    if os.environ.get("PREFIXSERVE_NATIVE", "1") != "0" and cc is not None:
+        threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build").start()
+
+
+def _quietly_built(cc: str) -> None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # `library()` logs a failure when it asks
+        built_path(cc)
