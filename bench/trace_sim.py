@@ -17,7 +17,8 @@ Two granularities, both counted in prompt tokens served from the cache ("hit tok
   are stand-ins whose storage mirrors runner/pieces.py: pieces cut at multiples of 64 tokens and at
   the lengths of the entries already cached on the key's path, keyed by (namespace, the prefix they
   end, start), so shared storage counts once exactly as on the server; an entry with logits holds
-  them too (fp32, the vocabulary's size). Bytes are tokens x the model's KV bytes per token.
+  them too (fp32, the vocabulary's size) and can shed them as the runner's snapshots do
+  (`without_logits`, cache/room.py). Bytes are tokens x the model's KV bytes per token.
 
 Sequential in arrival order: no concurrency (a real server may admit a request before an earlier
 one's insert, and pins entries while sessions copy them).
@@ -158,6 +159,9 @@ class _SimState:
 
     def storage(self) -> list[tuple[Hashable, int]]:
         return list(self.pieces)
+
+    def without_logits(self) -> _SimState:
+        return _SimState(self.num_tokens, False, tuple(p for p in self.pieces if p[0][0] != "logits"))
 
 
 @dataclass(frozen=True, slots=True)

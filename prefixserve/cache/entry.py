@@ -17,7 +17,8 @@ class Entry(Generic[S]):
     """One cached state, keyed by the exact token prefix it was computed from, inside one namespace.
 
     Read-only for everyone but the cache. Equality is identity. `truncatable`, `has_logits`, `nbytes`
-    and `pieces` are read from the state once, at insert. An entry stays a valid Python object after
+    and `pieces` are read from the state once, at insert; `state`, `has_logits`, `nbytes` and
+    `pieces` change once more if the cache sheds the entry's logits for room (cache/room.py). An entry stays a valid Python object after
     the cache drops it (`is_cached` turns False); the state lives as long as someone holds it.
     """
 
@@ -30,6 +31,7 @@ class Entry(Generic[S]):
     pieces: tuple[tuple[Hashable, int], ...]  # (storage key, nbytes), keys distinct
     points: tuple[int, ...] = ()  # shorter lengths a snapshot-only state also restores to (resume_points)
     num_pins: int = 0  # sessions copying from it right now; > 0 means never evicted
+    repeated: bool = False  # a prompt equal to its key was looked up: its logits earn their bytes (cache/room.py)
     is_cached: bool = True  # False once evicted, replaced or cleared
     node: Node[S] | None = None  # where the index holds it; None once dropped
 

@@ -82,6 +82,8 @@ class PrefixCache(Generic[S]):
             counters.num_misses += 1
             return hit
         self._order.used(hit.entry)
+        if hit.entry.num_tokens == len(token_ids) and hit.entry.token_ids == tuple(token_ids):
+            hit.entry.repeated = True
         counters.num_cached_tokens += hit.num_cached_tokens
         if hit.num_cached_tokens == len(token_ids):
             counters.num_full_hits += 1
@@ -93,8 +95,9 @@ class PrefixCache(Generic[S]):
         """Cache `state`, the model state after the prompt `token_ids`, in namespace `ns`.
 
         Mutates. On `stored`, the cache holds `state` and the caller must never mutate it again
-        (copy it first if it will keep running). Makes room by evicting least recently used unpinned
-        entries of any namespace, and evicts nothing unless the state then fits. Tokens already
+        (copy it first if it will keep running). Makes room by shedding the logits of unpinned
+        entries, then evicting unpinned entries, of any namespace, each in eviction order
+        (cache/room.py), and changes nothing unless the state then fits. Tokens already
         cached: the existing entry is touched and kept, unless it lacks logits, the new state has
         them and no one pins the old one: then it is replaced. Raises ValueError if the state's
         `num_tokens` is not len(token_ids), token_ids is empty, or its storage breaks its contract.
@@ -120,8 +123,8 @@ class PrefixCache(Generic[S]):
         if nbytes > self.config.max_bytes:
             counters.num_rejected_too_large += 1
             return InsertResult(InsertStatus.TOO_LARGE, old)
-        victims = plan_room(self._order.victims(), self._ledger, self.config.max_bytes, pieces, old)
-        if victims is None:
+        room = plan_room(self._order.victims(), self._ledger, self.config.max_bytes, pieces, old)
+        if room is None:
             counters.num_rejected_no_room += 1
             return InsertResult(InsertStatus.NO_ROOM, old)
         # acquire first, so storage the newcomer shares with a victim is never counted as freed
@@ -129,8 +132,12 @@ class PrefixCache(Generic[S]):
         space.ledger.acquire(pieces)
         if old is not None:
             self._drop(old)
+        for shed, lighter in room.shed:
+            self._shed_logits(shed, lighter)
+        victims = room.victims
         num_evicted_bytes = sum(self._evict_one(victim) for victim in victims)
-        entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces, points)
+        entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces, points,
+                      repeated=old is not None and old.repeated)
         space.index.add(entry)
         self._order.added(entry)
         counters.num_insertions += 1
@@ -288,6 +295,22 @@ class PrefixCache(Generic[S]):
             retired = self._spaces.pop(ns).counters
             self._retired = add_counters(self._retired, retired)
         self._sweep_at = max(MAX_IDLE_NAMESPACES, 2 * len(self._spaces))
+
+    def _shed_logits(self, entry: Entry[S], lighter: S) -> int:
+        """Give a cached entry its state without logits (cache/room.py); return the bytes freed. The
+        entry keeps its key, place in the order and KV; the old state object is left as it was."""
+        keep = dict(lighter.storage())
+        dropped = tuple(p for p in entry.pieces if p[0] not in keep)
+        self._spaces[entry.namespace].ledger.release(dropped)
+        entry.state = lighter
+        entry.has_logits = bool(lighter.has_logits)
+        entry.pieces = tuple(p for p in entry.pieces if p[0] in keep)
+        entry.nbytes = sum(n for _, n in entry.pieces)
+        freed = self._ledger.release(dropped)
+        counters = self._spaces[entry.namespace].counters
+        counters.num_logits_shed += 1
+        counters.num_logits_shed_bytes += freed
+        return freed
 
     def _evict_one(self, entry: Entry[S]) -> int:
         self._order.evicted(entry)

@@ -18,6 +18,10 @@ class CachedState(Protocol):
     The cache reads `truncatable`, `has_logits` and `storage()` once, at insert, and assumes they never
     change while the state is cached (entries are never mutated by a session).
 
+    Optional: a state may offer `without_logits()`, the same state without its logits (sharing the
+    rest of its storage, storage keys a subset of its own); the cache then sheds logits before it
+    evicts whole entries (cache/room.py). Truncatable states only.
+
     Optional: a snapshot-only state may also offer `resume_points`, the sorted shorter lengths it can
     restore to as well (a hybrid state's recurrent checkpoints, docs/hybrid.md); its storage then counts
     their bytes too. Read once at insert; absent means none.

@@ -19,6 +19,8 @@ class Counters:
     num_duplicate_insertions: int = 0  # key already cached; the existing entry was kept
     num_evictions: int = 0  # entries of this namespace evicted for room (by any namespace's insert)
     num_evicted_bytes: int = 0  # bytes those evictions freed
+    num_logits_shed: int = 0  # entries that gave up their logits for room, keeping their KV (cache/room.py)
+    num_logits_shed_bytes: int = 0  # bytes that freed
     num_rejected_too_large: int = 0  # a state larger than the whole budget
     num_rejected_no_room: int = 0  # everything evictable was pinned
     num_flushed: int = 0  # entries forgotten on request (`PrefixCache.flush`)
@@ -42,6 +44,8 @@ class CacheStats:
     num_duplicate_insertions: int = 0
     num_evictions: int = 0
     num_evicted_bytes: int = 0
+    num_logits_shed: int = 0
+    num_logits_shed_bytes: int = 0
     num_rejected_too_large: int = 0
     num_rejected_no_room: int = 0
     num_flushed: int = 0

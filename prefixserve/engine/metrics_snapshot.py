@@ -44,6 +44,8 @@ def take(core: EngineCore) -> MetricsSnapshot:
         "cache_insertions": float(st.num_insertions),
         "cache_evictions": float(st.num_evictions),
         "cache_evicted_bytes": float(st.num_evicted_bytes),
+        "cache_logits_shed": float(st.num_logits_shed),  # entries that kept their KV, gave up their logits
+        "cache_logits_shed_bytes": float(st.num_logits_shed_bytes),
         "cache_rejected_too_large": float(st.num_rejected_too_large),
         "requests": float(c.num_requests),
         "prompt_tokens": float(c.num_prompt_tokens),

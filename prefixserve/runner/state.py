@@ -282,6 +282,11 @@ class KVSnapshot:
     def logits(self) -> torch.Tensor | None:
         return self._logits
 
+    def without_logits(self) -> KVSnapshot:
+        """The same KV pieces (shared, not copied) without the logits: what the cache keeps of an
+        entry whose logits it sheds for room (cache/room.py)."""
+        return KVSnapshot.from_pieces(self._pieces, None)
+
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.storage())

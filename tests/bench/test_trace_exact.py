@@ -32,7 +32,7 @@ sys.path.remove(BENCH)
 
 from prefixserve.cache import PrefixCache
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import AsyncEngine, EngineCore
+from prefixserve.engine import AsyncEngine, EngineCore, metrics_snapshot
 from prefixserve.types import Namespace, Request, SamplingParams
 from tests.conftest import load_embedded, server_default_mode
 from tests.helpers.engine_run import collect
@@ -66,8 +66,8 @@ def make_engine(max_bytes: int) -> AsyncEngine:
 def test_replayed_trace_is_exact_with_an_evicting_cache() -> None:
     requests = multi_turn_requests(conversation_trace(), 32)
     assert len(requests) == 32
-    # room for about 12 prompts of ~40 tokens with their logits: the later turns evict
-    budget = 12 * (40 * SMOLLM2_KV_BYTES_PER_TOKEN + 49_152 * 4)
+    # room for about 9 prompts of ~40 tokens with their logits: the later turns shed logits, then evict
+    budget = 9 * (40 * SMOLLM2_KV_BYTES_PER_TOKEN + 49_152 * 4)
     cached, plain = make_engine(budget), make_engine(0)
 
     async def replay(engine: AsyncEngine) -> list[tuple[list[int], int]]:
@@ -89,5 +89,9 @@ def test_replayed_trace_is_exact_with_an_evicting_cache() -> None:
     # begins with the last one's: its partial last block is a prefix of the full one) unless evicted
     assert num_cached[0] == 0 and sum(n > 8 for n in num_cached) >= NUM_CONVERSATIONS
     stats = cached.core.cache.stats()
-    assert stats.num_evictions > 0
+    print(f"cached tokens {num_cached}; {stats.num_logits_shed} logits shed, {stats.num_evictions} evictions")
+    assert stats.num_logits_shed > 0 and stats.num_evictions > 0
+    values = metrics_snapshot.take(cached.core).values  # what /metrics exports as counters
+    assert values["cache_logits_shed"] == stats.num_logits_shed
+    assert values["cache_logits_shed_bytes"] == stats.num_logits_shed_bytes == stats.num_logits_shed * 49_152 * 4
     cached.core.cache.check_integrity()

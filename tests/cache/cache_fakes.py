@@ -33,12 +33,22 @@ class FakeState:
     def storage(self) -> list[tuple[Hashable, int]]:
         return list(self.pieces)
 
+    def without_logits(self) -> FakeState:
+        """The state without its logits piece, as the runner's KVSnapshot offers (CachedState)."""
+        return FakeState(self.num_tokens, self.truncatable, False, tuple(p for p in self.pieces if p[0][0] != "logits"),
+                         self.resume_points)
+
 
 def kv(
-    tokens: Sequence[int], nbytes: int = 100, *, logits: bool = False, shared: Sequence[tuple[str, int]] = ()
+    tokens: Sequence[int], nbytes: int = 100, *, logits: bool = False, shared: Sequence[tuple[str, int]] = (),
+    logits_bytes: int = 0,
 ) -> FakeState:
-    """A KV-only (truncatable) state over `tokens`: one private piece of `nbytes` plus `shared` pieces."""
-    return _state(tokens, True, logits, nbytes, shared)
+    """A KV-only (truncatable) state over `tokens`: one private piece of `nbytes` plus `shared` pieces,
+    plus a logits piece of `logits_bytes` when given (then `logits` is implied)."""
+    state = _state(tokens, True, logits or logits_bytes > 0, nbytes, shared)
+    if logits_bytes:
+        state = FakeState(state.num_tokens, True, True, (*state.pieces, (("logits", next(_unique)), logits_bytes)))
+    return state
 
 
 def snap(

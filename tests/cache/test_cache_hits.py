@@ -203,6 +203,8 @@ def test_stats_aggregate_over_namespaces() -> None:
         "num_duplicate_insertions": 0,
         "num_evictions": 0,
         "num_evicted_bytes": 0,
+        "num_logits_shed": 0,
+        "num_logits_shed_bytes": 0,
         "num_rejected_too_large": 0,
         "num_rejected_no_room": 0,
         "num_flushed": 0,

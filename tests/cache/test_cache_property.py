@@ -53,6 +53,7 @@ class Ref:
     state: FakeState
     entry: Entry | None = None
     pins: int = 0
+    repeated: bool = False  # a prompt equal to its tokens was looked up (Entry.repeated)
 
     def serves(self, prompt: tuple[int, ...]) -> int:
         return serves(self.tokens, self.state.truncatable, self.state.has_logits, prompt, self.state.resume_points)
@@ -77,6 +78,7 @@ class CacheMachine(RuleBasedStateMachine):
         tokens=TOKENS,
         truncatable=st.booleans(),
         logits=st.booleans(),
+        logits_bytes=st.sampled_from([0, 0, 15, 40]),
         own=st.integers(0, 80),
         shared=st.lists(st.sampled_from(sorted(SHARED)), unique=True, max_size=2),
         points=st.lists(st.integers(1, 6), unique=True, max_size=3),
@@ -87,13 +89,14 @@ class CacheMachine(RuleBasedStateMachine):
         tokens: tuple[int, ...],
         truncatable: bool,
         logits: bool,
+        logits_bytes: int,
         own: int,
         shared: list[str],
         points: list[int],
     ) -> None:
         pieces = [(k, SHARED[k]) for k in shared]
         if truncatable:
-            state = kv(tokens, own, logits=logits, shared=pieces)
+            state = kv(tokens, own, logits=logits, shared=pieces, logits_bytes=logits_bytes if logits else 0)
         else:  # resume points (a hybrid entry's checkpoints) inside the key
             state = snap(tokens, own, logits=logits, shared=pieces, points=sorted(p for p in points if p < len(tokens)))
         expected, new_model = self._model_insert(Ref(ns, tokens, state))
@@ -119,6 +122,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert ref.ns == ns and ref.serves(tokens) == best  # same namespace, a compatible match
         self.model.remove(ref)
         self.model.append(ref)
+        ref.repeated = ref.repeated or ref.tokens == tokens
         self.num_hits += 1
         self.num_cached_tokens += best
 
@@ -174,6 +178,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.num_cached_tokens,
         )
         assert all(ref.entry is not None and ref.entry.num_pins == ref.pins for ref in self.model)
+        # logits shed (cache/room.py) exactly where the model sheds them, and the repeats it knows of
+        assert all(ref.entry is not None and (ref.entry.has_logits, ref.entry.repeated, ref.entry.state)
+                   == (ref.state.has_logits, ref.repeated, ref.state) for ref in self.model)
 
     def _model_insert(self, new: Ref) -> tuple[InsertStatus, list[Ref]]:
         """What the rules say an insert does: (expected status, the model afterwards)."""
@@ -187,13 +194,25 @@ class CacheMachine(RuleBasedStateMachine):
         if new.state.nbytes > MAX_BYTES:
             return InsertStatus.TOO_LARGE, model
         remaining = [ref for ref in model if ref is not old]
-        while total_bytes(remaining, new.state.pieces) > MAX_BYTES:
-            victim = next((ref for ref in remaining if ref.pins == 0), None)
+        # logits first (an unpinned KV entry's logits piece, in LRU order), then whole entries
+        states = {id(ref): ref.state for ref in remaining}
+        for ref in remaining:
+            if total_bytes([Ref(r.ns, r.tokens, states[id(r)]) for r in remaining], new.state.pieces) <= MAX_BYTES:
+                break
+            if (ref.pins == 0 and not ref.repeated and ref.state.truncatable
+                    and any(k[0] == "logits" for k, _ in ref.state.pieces)):
+                states[id(ref)] = ref.state.without_logits()
+        kept = list(remaining)
+        while total_bytes([Ref(r.ns, r.tokens, states[id(r)]) for r in kept], new.state.pieces) > MAX_BYTES:
+            victim = next((ref for ref in kept if ref.pins == 0), None)
             if victim is None:
                 return InsertStatus.NO_ROOM, model
-            remaining.remove(victim)
+            kept.remove(victim)
+        for ref in kept:
+            ref.state = states[id(ref)]
         status = InsertStatus.INSERTED if old is None else InsertStatus.REPLACED
-        return status, [*remaining, new]
+        new.repeated = old is not None and old.repeated
+        return status, [*kept, new]
 
 
 TestCacheMachine = CacheMachine.TestCase

@@ -97,6 +97,23 @@ def test_full_prompt_snapshot_needs_no_forward(embedded):
     assert calls == []
 
 
+def test_a_snapshot_without_logits_serves_all_but_its_last_token_exactly(embedded):
+    """What the cache keeps of an entry whose logits it shed for room (cache/room.py): the same KV
+    pieces, no copy; resumed one token short, the last token's forward gives the logits bit for bit."""
+    model, runner = embedded
+    ids = chat_prompts(model.tokenizer, 2)[1]
+    st = runner.new_state()
+    runner.prefill(st, ids, 256)
+    snap = st.snapshot()
+    light = snap.without_logits()
+    assert snap.has_logits and not light.has_logits and light.num_tokens == snap.num_tokens
+    assert {k for k, _ in light.storage()} < {k for k, _ in snap.storage()}
+    assert snap.nbytes - light.nbytes == snap.logits.untyped_storage().nbytes()
+    resumed = light.restore(len(ids) - 1, 8)
+    runner.step([StepItem(resumed, ids[-1:])])
+    assert torch.equal(resumed.logits, st.logits)
+
+
 def test_decode_state_equals_prefill_state(embedded):
     model, runner = embedded
     if not runner.decoder.decode_matches_prefill:

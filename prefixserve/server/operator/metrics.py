@@ -53,7 +53,7 @@ _CACHE_FIGURES = {
 _ENGINE_COUNTERS = frozenset({
     "requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "completion_tokens",
     "cache_lookups", "cache_full_hits", "cache_partial_hits", "cache_misses", "cache_insertions", "cache_evictions",
-    "cache_evicted_bytes", "cache_rejected_too_large",
+    "cache_evicted_bytes", "cache_logits_shed", "cache_logits_shed_bytes", "cache_rejected_too_large",
     "cache_ram_hits", "cache_ram_evictions", "cache_ram_flushed",
     "kv_events_batches", "kv_events_events", "kv_events_dropped_changes", "kv_events_resyncs",
 })
