@@ -157,11 +157,13 @@ def test_32_concurrent_streams_hold_every_bound(main: Target) -> None:
           f"{len(got)} requests, 0 errors, {num_completion / load.seconds:.1f} generated tok/s, cached "
           f"{num_cached}/{num_prompt} prompt tokens, TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, peak {peak:.0f} in "
           f"the engine ({sampled:.0f} in a 250 ms sample), cache max {max_bytes / 2**20:.1f} MiB of {MAIN_CACHE_BYTES / 2**20:.0f} "
-          f"({delta('prefixserve_engine_cache_evictions_total'):.0f} evictions), RSS warm {warm_rss / 2**20:.0f} MiB -> "
+          f"({delta('prefixserve_engine_cache_evictions_total'):.0f} evictions, "
+          f"{delta('prefixserve_engine_cache_logits_shed_total'):.0f} logits shed), RSS warm {warm_rss / 2**20:.0f} MiB -> "
           f"after {rss / 2**20:.0f} MiB")  # fmt: skip
     assert peak >= NUM_CLIENTS
     assert num_cached > 0  # the shared system prompt is served from the cache
-    assert delta("prefixserve_engine_cache_evictions_total") > 0  # the budget was binding
+    # the budget was binding: entries evicted, or logits shed to avoid it (docs/cache.md, "Logits before KV")
+    assert delta("prefixserve_engine_cache_evictions_total") + delta("prefixserve_engine_cache_logits_shed_total") > 0
     # The server's counters match what the clients saw.
     assert delta("prefixserve_engine_requests_total") == len(got)
     assert delta("prefixserve_prompt_tokens_total") == num_prompt
