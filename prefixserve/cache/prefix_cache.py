@@ -68,7 +68,8 @@ class PrefixCache(Generic[S]):
     def lookup(self, ns: Namespace, token_ids: Sequence[int]) -> Hit[S] | Miss:
         """The entry serving the most tokens of the prompt `token_ids` in namespace `ns`.
 
-        Mutates only recency (a hit becomes most recently used) and counters; always safe to call.
+        Mutates only recency (an entry that served all of itself, or the whole prompt, becomes most
+        recently used: cache/eviction.py), the entry's `repeated` flag and counters; always safe to call.
         Usable: an entry whose key is a proper prefix of the prompt serves its length; one equal to
         the prompt serves all of it only if it has logits; a truncatable entry also serves its
         longest common prefix with the prompt, capped at len(prompt) - 1, a snapshot-only one its
@@ -81,7 +82,8 @@ class PrefixCache(Generic[S]):
         if not isinstance(hit, Hit):
             counters.num_misses += 1
             return hit
-        self._order.used(hit.entry)
+        if hit.num_cached_tokens >= min(hit.entry.num_tokens, len(token_ids) - 1):
+            self._order.used(hit.entry)  # served whole, or the whole prompt: see cache/eviction.py
         if hit.entry.num_tokens == len(token_ids) and hit.entry.token_ids == tuple(token_ids):
             hit.entry.repeated = True
         counters.num_cached_tokens += hit.num_cached_tokens

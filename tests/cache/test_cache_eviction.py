@@ -121,3 +121,20 @@ def test_gdsf_random_operations_keep_every_invariant() -> None:
             cache.clear()  # pinned entries are dropped too; their holders may still unpin them
         cache.check_integrity()
         assert cache.num_bytes <= 600
+
+
+def test_a_hit_on_the_head_of_an_entry_leaves_it_where_it_was_in_the_order() -> None:
+    """LRU counts a use when a lookup serves all of an entry, or all of the prompt: a prompt that
+    parts from an entry midway uses its head only, which the engine caches as a boundary entry of its
+    own, so the entry's unused tail keeps aging (cache/eviction.py)."""
+    cache = PrefixCache(CacheConfig(max_bytes=1000))
+    long = cache.insert(NS_A, (1, 2, 3, 4, 5, 6), kv((1, 2, 3, 4, 5, 6), 100)).entry
+    other = cache.insert(NS_A, (7, 8, 9), kv((7, 8, 9), 100)).entry
+    assert long is not None and other is not None
+    head = cache.lookup(NS_A, (1, 2, 3, 0, 0))  # parts at 3: served 3 of the entry's 6
+    assert head.num_cached_tokens == 3 and cache.entries() == [long, other]
+    whole = cache.lookup(NS_A, (1, 2, 3, 4, 5, 6, 0))  # served all of it
+    assert whole.num_cached_tokens == 6 and cache.entries() == [other, long]
+    cache.lookup(NS_A, (7, 8))  # the prompt is a prefix of the entry: all of the prompt but its last token
+    assert cache.entries() == [long, other]
+    cache.check_integrity()

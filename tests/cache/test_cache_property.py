@@ -120,8 +120,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert isinstance(result, Hit) and result.num_cached_tokens == best
         (ref,) = [ref for ref in self.model if ref.entry is result.entry]  # cached, identical object
         assert ref.ns == ns and ref.serves(tokens) == best  # same namespace, a compatible match
-        self.model.remove(ref)
-        self.model.append(ref)
+        if best >= min(len(ref.tokens), len(tokens) - 1):  # served whole (cache/eviction.py): now recent
+            self.model.remove(ref)
+            self.model.append(ref)
         ref.repeated = ref.repeated or ref.tokens == tokens
         self.num_hits += 1
         self.num_cached_tokens += best
