@@ -82,7 +82,10 @@ def test_a_slow_redis_flush_runs_beside_the_engine(complete: bool) -> None:
         stream = engine.generate(request("b", max_tokens=1800))
         await stream.__anext__()  # decoding
         flush = asyncio.ensure_future(engine.flush_cache(scope))
-        await asyncio.sleep(0.3)
+        for _ in range(int(FLUSH_S * 50)):  # the engine thread takes the flush at its next turn
+            await asyncio.sleep(0.01)
+            if engine.core.loads._flushing or flush.done():
+                break
         during = list(engine.core.loads._flushing)  # no session reads the scope from Redis meanwhile
         tokens = 0
         while not flush.done():
