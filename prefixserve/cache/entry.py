@@ -18,8 +18,9 @@ class Entry(Generic[S]):
 
     Read-only for everyone but the cache. Equality is identity. `truncatable`, `has_logits`, `nbytes`
     and `pieces` are read from the state once, at insert; `state`, `has_logits`, `nbytes` and
-    `pieces` change once more if the cache sheds the entry's logits for room (cache/room.py). An entry stays a valid Python object after
-    the cache drops it (`is_cached` turns False); the state lives as long as someone holds it.
+    `pieces` change once more if the cache sheds the entry's logits for room (cache/room.py). An
+    entry stays a valid Python object after the cache drops it (`is_cached` turns False); the state
+    lives as long as someone holds it.
     """
 
     namespace: Namespace

@@ -16,7 +16,7 @@ from prefixserve.cache.entry import Entry, FlushResult, Hit, InsertResult, Inser
 from prefixserve.cache.eviction import LRUOrder, make_order
 from prefixserve.cache.index import RadixIndex, require
 from prefixserve.cache.listener import CacheListener
-from prefixserve.cache.room import plan_room
+from prefixserve.cache.room import Shed, plan_room, sheddable
 from prefixserve.cache.state import S
 from prefixserve.cache.stats import CacheStats, Counters, add_counters, snapshot
 from prefixserve.cache.storage import StorageLedger, validate_pieces
@@ -52,6 +52,7 @@ class PrefixCache(Generic[S]):
         self._spaces: dict[Namespace, _Space[S]] = {}
         self._lru: OrderedDict[Entry[S], None] = OrderedDict()  # least recently used first
         self._order: LRUOrder[S] = make_order(config.eviction, self._lru)  # keeps _lru; who goes first
+        self._sheddable: OrderedDict[Entry[S], None] = OrderedDict()  # room.sheddable ones, least recently used first
         self._ledger = StorageLedger()  # all entries; shared storage once across namespaces
         self._retired = Counters()  # counters of idle namespaces folded away
         self._sweep_at = MAX_IDLE_NAMESPACES
@@ -83,9 +84,10 @@ class PrefixCache(Generic[S]):
             counters.num_misses += 1
             return hit
         if hit.num_cached_tokens >= min(hit.entry.num_tokens, len(token_ids) - 1):
-            self._order.used(hit.entry)  # served whole, or the whole prompt: see cache/eviction.py
+            self._use(hit.entry)  # served whole, or the whole prompt: see cache/eviction.py
         if hit.entry.num_tokens == len(token_ids) and hit.entry.token_ids == tuple(token_ids):
-            hit.entry.repeated = True
+            hit.entry.repeated = True  # its logits stay (cache/room.py)
+            self._sheddable.pop(hit.entry, None)
         counters.num_cached_tokens += hit.num_cached_tokens
         if hit.num_cached_tokens == len(token_ids):
             counters.num_full_hits += 1
@@ -115,7 +117,7 @@ class PrefixCache(Generic[S]):
             return InsertResult(InsertStatus.DISABLED, None)
         old = space.index.get(key)
         if old is not None:
-            self._order.used(old)
+            self._use(old)
             if not (state.has_logits and not old.has_logits and old.num_pins == 0):
                 counters.num_duplicate_insertions += 1
                 return InsertResult(InsertStatus.ALREADY_PRESENT, old)
@@ -125,7 +127,7 @@ class PrefixCache(Generic[S]):
         if nbytes > self.config.max_bytes:
             counters.num_rejected_too_large += 1
             return InsertResult(InsertStatus.TOO_LARGE, old)
-        room = plan_room(self._order.victims(), self._ledger, self.config.max_bytes, pieces, old)
+        room = plan_room(self._order.victims(), self._ledger, self.config.max_bytes, pieces, old, self._sheddable)
         if room is None:
             counters.num_rejected_no_room += 1
             return InsertResult(InsertStatus.NO_ROOM, old)
@@ -134,14 +136,16 @@ class PrefixCache(Generic[S]):
         space.ledger.acquire(pieces)
         if old is not None:
             self._drop(old)
-        for shed, lighter in room.shed:
-            self._shed_logits(shed, lighter)
+        for shed in room.shed:
+            self._shed_logits(shed)
         victims = room.victims
         num_evicted_bytes = sum(self._evict_one(victim) for victim in victims)
         entry = Entry(ns, key, state, bool(state.truncatable), bool(state.has_logits), nbytes, pieces, points,
                       repeated=old is not None and old.repeated)
         space.index.add(entry)
         self._order.added(entry)
+        if sheddable(entry):
+            self._sheddable[entry] = None
         counters.num_insertions += 1
         if self.listener is not None:
             self.listener.stored(entry)
@@ -250,6 +254,7 @@ class PrefixCache(Generic[S]):
             entry.is_cached = False
             entry.node = None
         self._order.clear()
+        self._sheddable.clear()
         self._ledger = StorageLedger()
         for space in self._spaces.values():
             space.index = RadixIndex()
@@ -273,6 +278,9 @@ class PrefixCache(Generic[S]):
             by_space.setdefault(entry.namespace, []).append(entry)
         self._ledger.check(entry.pieces for entry in self._lru)
         self._order.check()
+        require(list(self._sheddable) == [e for e in self._lru if e in self._sheddable]
+                and set(self._sheddable) == {e for e in self._lru if sheddable(e)},
+                "the sheddable entries are not exactly those room.sheddable accepts, in recency order")
         for ns, space in self._spaces.items():
             space.index.check()
             members = by_space.get(ns, [])
@@ -298,17 +306,23 @@ class PrefixCache(Generic[S]):
             self._retired = add_counters(self._retired, retired)
         self._sweep_at = max(MAX_IDLE_NAMESPACES, 2 * len(self._spaces))
 
-    def _shed_logits(self, entry: Entry[S], lighter: S) -> int:
+    def _use(self, entry: Entry[S]) -> None:
+        """`entry` was used: most recently used in the eviction order and among the sheddable."""
+        self._order.used(entry)
+        if entry in self._sheddable:
+            self._sheddable.move_to_end(entry)
+
+    def _shed_logits(self, shed: Shed[S]) -> int:
         """Give a cached entry its state without logits (cache/room.py); return the bytes freed. The
         entry keeps its key, place in the order and KV; the old state object is left as it was."""
-        keep = dict(lighter.storage())
-        dropped = tuple(p for p in entry.pieces if p[0] not in keep)
-        self._spaces[entry.namespace].ledger.release(dropped)
-        entry.state = lighter
-        entry.has_logits = bool(lighter.has_logits)
-        entry.pieces = tuple(p for p in entry.pieces if p[0] in keep)
-        entry.nbytes = sum(n for _, n in entry.pieces)
-        freed = self._ledger.release(dropped)
+        entry = shed.entry
+        self._spaces[entry.namespace].ledger.release(shed.dropped)
+        self._sheddable.pop(entry, None)
+        entry.state = shed.state
+        entry.has_logits = bool(shed.state.has_logits)
+        entry.pieces = shed.kept
+        entry.nbytes = sum(n for _, n in shed.kept)
+        freed = self._ledger.release(shed.dropped)
         counters = self._spaces[entry.namespace].counters
         counters.num_logits_shed += 1
         counters.num_logits_shed_bytes += freed
@@ -328,6 +342,7 @@ class PrefixCache(Generic[S]):
         space.index.remove(entry)
         space.ledger.release(entry.pieces)
         self._order.dropped(entry)
+        self._sheddable.pop(entry, None)
         entry.is_cached = False
         if self.listener is not None:
             self.listener.removed(entry)

@@ -97,3 +97,29 @@ def test_an_entry_an_equal_prompt_asked_for_keeps_its_logits() -> None:
     cache.insert(NS_A, (8, 9), kv((8, 9), 100))  # nothing left to shed: hot, least recently used, goes whole
     assert not hot.is_cached and cold.is_cached
     cache.check_integrity()
+
+
+def test_room_is_planned_without_a_walk_over_every_entry() -> None:
+    """The cache hands `plan_room` its sheddable entries apart (recency order): an insert that one
+    shed makes room for reads neither the entries before it nor the eviction order."""
+    from prefixserve.cache.room import plan_room
+
+    cache = make_cache(max_bytes=100 * 100 + 250 + 50)  # full but for 50 B
+    for i in range(100):  # entries with nothing to shed, least recently used
+        cache.insert(NS_A, (i, 0), kv((i, 0), 100))
+    recent = cache.insert(NS_A, (7, 7, 7), kv((7, 7, 7), 100, logits_bytes=150)).entry
+    assert recent is not None and list(cache._sheddable) == [recent]
+    walked: list[object] = []
+
+    def counted(entries):
+        for entry in entries:
+            walked.append(entry)
+            yield entry
+
+    room = plan_room(counted(cache._order.victims()), cache._ledger, cache.config.max_bytes,
+                     ((("new", 1), 100),), None, counted(cache._sheddable))
+    assert room is not None and [s.entry for s in room.shed] == [recent] and room.victims == []
+    assert walked == [recent]
+    result = cache.insert(NS_B, (1,), kv((1,), 100))
+    assert result.num_evicted == 0 and not recent.has_logits and list(cache._sheddable) == []
+    cache.check_integrity()
