@@ -148,6 +148,39 @@ static inline __attribute__((always_inline)) void score_tile(int nb, const Pass 
 /* Scores of pairs [first, np) over the stretch [lo, lo + cnt): three key blocks (12 KiB of K at hd 64,
  * kept in L1) against every group of PB pairs in turn; a group stops at its last key's block, blocks
  * past a pair's own last key are computed with the others and never read. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2's score tile: 6 pairs x one 16-key block (12 accumulators of the 16 registers, each a named
+ * variable so that none goes to the stack), each (pair, key) the chain of `score_tile` */
+static void score_tile6(const Pass *ps, int p0, int np, int64_t b, const float *kt, int hd, float *s) {
+    const float *q0 = ps->qs[p0], *q1 = ps->qs[p0 + (np > 1)], *q2 = ps->qs[p0 + (np > 2 ? 2 : np - 1)];
+    const float *q3 = ps->qs[p0 + (np > 3 ? 3 : np - 1)], *q4 = ps->qs[p0 + (np > 4 ? 4 : np - 1)];
+    const float *q5 = ps->qs[p0 + (np > 5 ? 5 : np - 1)];
+    const float *kb = kt + b * hd;
+    __m256 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        __m256 k0 = _mm256_load_ps(kb + d * 16), k1 = _mm256_load_ps(kb + d * 16 + 8), qd;
+#define STEP(Q, A0, A1) qd = _mm256_broadcast_ss(Q + d), A0 = _mm256_fmadd_ps(qd, k0, A0), A1 = _mm256_fmadd_ps(qd, k1, A1);
+        STEP(q0, a00, a01) STEP(q1, a10, a11) STEP(q2, a20, a21) STEP(q3, a30, a31) STEP(q4, a40, a41)
+        STEP(q5, a50, a51)
+#undef STEP
+    }
+    float *o = s + (int64_t)p0 * SB + b;
+#define ST(r, A0, A1) if (np > r) _mm256_storeu_ps(o + r * SB, A0), _mm256_storeu_ps(o + r * SB + 8, A1);
+    ST(0, a00, a01) ST(1, a10, a11) ST(2, a20, a21) ST(3, a30, a31) ST(4, a40, a41) ST(5, a50, a51)
+#undef ST
+}
+
+static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t cnt, const float *kt, int hd,
+                          float *s) {
+    int64_t blocks = (cnt + 15) / 16;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int p0 = first; p0 < np; p0 += 6) {
+            int g = np - p0 < 6 ? np - p0 : 6;
+            if ((ps->last[p0 + g - 1] - lo) / 16 >= b) score_tile6(ps, p0, g, b * 16, kt, hd, s);
+        }
+}
+#else
 static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t cnt, const float *kt, int hd,
                           float *s) {
     int64_t blocks = (cnt + 15) / 16;
@@ -162,6 +195,7 @@ static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t
             else score_tile(1, ps, p0, g, b * 16, kt, hd, s);
         }
 }
+#endif
 
 /* A pair's scores si over a stretch's first `cnt` keys: the rest of the last 16-key block masked,
  * the running max m taken on, and where it grew, den and the `n` sums at acc rescaled. Returns the
@@ -235,6 +269,47 @@ static inline __attribute__((always_inline)) void pv_keys(int R, int W, const fl
         }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2's P.V: R <= 3 pairs x 16 outputs, the even and the odd chain of each (12 accumulators, named
+ * variables), each output's chains those of `pv_keys` */
+static inline __attribute__((always_inline)) void pv_keys16(int R, const float *const *si, int64_t j0, int64_t j1,
+                                                            const float *vf, int hd, int d0, float *const *acc) {
+    const float *s0 = si[0], *s1 = si[R > 1], *s2 = si[R > 2 ? 2 : R - 1];
+    __m256 e00, e01, e10, e11, e20, e21, o00, o01, o10, o11, o20, o21, vl, vh, b;
+    e00 = e01 = e10 = e11 = e20 = e21 = o00 = o01 = o10 = o11 = o20 = o21 = _mm256_setzero_ps();
+#define LD(r, E0, E1, O0, O1) if (R > r) E0 = _mm256_loadu_ps(acc[r] + d0), E1 = _mm256_loadu_ps(acc[r] + d0 + 8), \
+        O0 = _mm256_loadu_ps(acc[r] + hd + d0), O1 = _mm256_loadu_ps(acc[r] + hd + d0 + 8);
+    LD(0, e00, e01, o00, o01) LD(1, e10, e11, o10, o11) LD(2, e20, e21, o20, o21)
+#undef LD
+#define KEY(J, A00, A01, A10, A11, A20, A21)                                                              \
+    vl = _mm256_loadu_ps(vf + (J) * hd + d0), vh = _mm256_loadu_ps(vf + (J) * hd + d0 + 8);              \
+    b = _mm256_broadcast_ss(s0 + (J)), A00 = _mm256_fmadd_ps(b, vl, A00), A01 = _mm256_fmadd_ps(b, vh, A01); \
+    if (R > 1) b = _mm256_broadcast_ss(s1 + (J)), A10 = _mm256_fmadd_ps(b, vl, A10), A11 = _mm256_fmadd_ps(b, vh, A11); \
+    if (R > 2) b = _mm256_broadcast_ss(s2 + (J)), A20 = _mm256_fmadd_ps(b, vl, A20), A21 = _mm256_fmadd_ps(b, vh, A21);
+    int64_t j = j0;
+    for (; j + 1 < j1; j += 2) {
+        KEY(j, e00, e01, e10, e11, e20, e21)
+        KEY(j + 1, o00, o01, o10, o11, o20, o21)
+    }
+    if (j < j1) {  /* the last key of an odd count: only at a pair's last key */
+        KEY(j, e00, e01, e10, e11, e20, e21)
+    }
+#undef KEY
+#define ST(r, E0, E1, O0, O1) if (R > r) _mm256_storeu_ps(acc[r] + d0, E0), _mm256_storeu_ps(acc[r] + d0 + 8, E1), \
+        _mm256_storeu_ps(acc[r] + hd + d0, O0), _mm256_storeu_ps(acc[r] + hd + d0 + 8, O1);
+    ST(0, e00, e01, o00, o01) ST(1, e10, e11, o10, o11) ST(2, e20, e21, o20, o21)
+#undef ST
+}
+
+static void pv_group(int R, const float *const *si, int64_t j0, int64_t j1, const float *vf, int hd,
+                     float *const *acc) {
+    for (int d0 = 0; d0 < hd; d0 += 16) {
+        if (R == 1) pv_keys16(1, si, j0, j1, vf, hd, d0, acc);
+        else if (R == 2) pv_keys16(2, si, j0, j1, vf, hd, d0, acc);
+        else pv_keys16(3, si, j0, j1, vf, hd, d0, acc);
+    }
+}
+#else
 /* every output of R pairs, 64 at a time (each count and width its own unrolled copy; the arithmetic
  * per output is the same) */
 static void pv_group(int R, const float *const *si, int64_t j0, int64_t j1, const float *vf, int hd,
@@ -254,6 +329,7 @@ static void pv_group(int R, const float *const *si, int64_t j0, int64_t j1, cons
     }
 #undef PV_W
 }
+#endif
 
 /* Scratch of one call: a stretch's staged K and V, and a pass's scores and running state. */
 typedef struct {

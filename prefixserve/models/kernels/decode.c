@@ -3,13 +3,14 @@
  * `decode_rows`, docs/architecture.md "Decode"); and, with the same per-row arithmetic but
  * attention.c's attention, a layer of a step's prompt rows per call (`prefill_layer`, at the end).
  *
- * Built with attention.c and qmatmul.c by models/native.py and called through ctypes. Decoded
+ * Built with attention.c, qmatmul.c and gemm.c by models/native.py and called through ctypes. Decoded
  * tokens' KV is never cached (the engine re-derives it by prefill), so their arithmetic need not
  * match prefill's, only be row-local: each row's bits depend on its own token, position and keys,
  * never on the other rows of the call or on the number of threads. Every step below is one fixed
  * loop per row (fp32 throughout; K and V rounded to bf16 as the cache holds them):
  *   RMSNorm     ss = hsum of 16-lane chains of x*x; r = 1 / sqrtf(ss / d + eps); x * r * w
- *   matmuls     qmatmul.c (4-bit layers, 8- or 4-bit logits); threads split the outputs
+ *   matmuls     qmatmul.c (4-bit layers, 8- or 4-bit logits); prompt rows' layers gemm.c (one
+ *               chain over K per output, lanes over outputs); threads split the outputs
  *   q/k         + bias, per-head RMSNorm (where the model has them), RoPE (fp32 cos/sin)
  *   attention   scores s_j = hsum(q . k_j) (chains of 16 lanes over head_dim, scaled q), m = max,
  *               e_j = exp(s_j - m) (simd.h v_exp, 16 keys at a time), den = hsum of a 16-lane
@@ -27,6 +28,8 @@
 
 void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
              float *out, int64_t ldo);
+int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
+          float *out, int64_t ldo);
 void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq);
 void qmatmul_x(const int8_t *xq, const float *xd, const float *xs, int64_t n, int64_t K, int kind,
                const uint8_t *q, int64_t o0, int64_t o1, float *out, int64_t ldo);
@@ -341,10 +344,11 @@ enum { W_ATTN_NORM, W_MLP_NORM, W_Q_NORM, W_K_NORM, W_QKV_BIAS, W_QKV, W_O, W_GA
 /* out[:, o0:o1] = x W^T for pack i of layer weights w: qmatmul.c's arithmetic, or amx.c's on the rows
  * rounded to bf16 (row-local either way); 0, or -1 when amx.c ran out of memory */
 static int matmul(const int64_t *w, int i, const float *x, int64_t n, int64_t ldx, int64_t K, int64_t o0,
-                  int64_t o1, float *out, int64_t ldo) {
+                  int64_t o1, float *out, int64_t ldo, int prompt) {
     const uint8_t *pack = (const uint8_t *)w[W_QKV + i];
     if (w[W_KINDS] >> (4 + i) & 1)
         return amx_matmul(x, 1, n, ldx, K, (const uint16_t *)pack, NULL, o0, o1, out, 1, ldo) == 0 ? 0 : -1;
+    if (prompt) return qgemm(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     qmatmul(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     return 0;
 }
@@ -368,6 +372,7 @@ typedef struct {
     float *parts;                            /* [n][heads][stride / PV_SEG rounded up][hd]: P.V stretches' sums */
     int64_t stride;
     int q8x;      /* decode rows' matmuls on int8 activations (qmatmul.c `qmatmul_x`) */
+    int prompt;   /* prompt rows (`prefill_layer`): the layers' 4-bit matmuls are gemm.c's */
     int8_t *xq;   /* [T][n][max(hidden, inter)]: each member's quantized rows */
     float *xqd;   /* [T][2][n][max(hidden, inter) / 32]: their scales, then their sums */
     barrier_t bar;
@@ -380,7 +385,7 @@ static int mm(step_t *s, int t, const int64_t *w, int i, const float *x, int64_t
               int64_t o1, float *out, int64_t ldo) {
     int64_t n = s->n;
     if (!s->q8x || (w && w[W_KINDS] >> (4 + i) & 1)) {
-        if (w) return matmul(w, i, x, n, ldx, K, o0, o1, out, ldo);
+        if (w) return matmul(w, i, x, n, ldx, K, o0, o1, out, ldo, s->prompt);
         qmatmul(x, n, ldx, K, (int)s->head_kind, s->head, o0, o1, out, ldo);
         return 0;
     }
@@ -666,7 +671,7 @@ int prefill_layer(const int64_t *dims, float eps, float scale, const int64_t *w,
     memset(&pf, 0, sizeof pf);
     step_t *s = &pf.s;
     s->n = dims[0], s->hidden = dims[1], s->heads = dims[2], s->kv_heads = dims[3], s->hd = dims[4];
-    s->inter = dims[5], s->layers = dims[6];
+    s->inter = dims[5], s->layers = dims[6], s->prompt = 1;
     s->eps = eps, s->scale = scale, s->w = w, s->h = h, s->pos = pos, s->cs = cs, s->sn = sn, s->kv = kv;
     int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
     int64_t n = s->n, qs = s->heads * s->hd, nqkv = qs + 2 * s->kv_heads * s->hd;

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # torch is imported where a kernel is called: the build start
 # the build's identity and target (isa.py, native_build.py) are offered here with the calls
 __all__ = ["SPLIT_MIN_WORK", "amx_linear", "amx_pack", "amx_ready", "attention", "attention_supported", "build_dir",
            "build_name", "cpu_info", "digest", "effective_flags", "executable_levels", "isa", "kernel_name", "library",
-           "qmatmul", "qmatmul_int8"]
+           "qgemm", "qmatmul", "qmatmul_int8"]
 
 log = logging.getLogger("prefixserve.models")
 
@@ -87,6 +87,8 @@ def library() -> ctypes.CDLL | None:
         P, I64 = ctypes.c_void_p, ctypes.c_int64
         lib.qmatmul_team.restype = ctypes.c_int
         lib.qmatmul_team.argtypes = [P, I64, I64, I64, ctypes.c_int, P, I64, P, I64, ctypes.c_int]
+        lib.qgemm.restype = ctypes.c_int
+        lib.qgemm.argtypes = [P, I64, I64, I64, ctypes.c_int, P, I64, I64, P, I64]
         lib.decode_step.restype = ctypes.c_int
         lib.decode_step.argtypes = [P, ctypes.c_float, ctypes.c_float, P, P, P, P, P, P, P, P, P, ctypes.c_int]
         lib.prefill_scratch.restype = I64
@@ -128,6 +130,26 @@ def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor,
         raise ValueError(f"qmatmul: shapes x {tuple(x.shape)}, weight {tuple(packed.shape)}, out {tuple(out.shape)}")
     return int(lib.qmatmul_team(x.data_ptr(), n, x.stride(0), k, kind, packed.data_ptr(), rows, out.data_ptr(),
                                 out.stride(0), ways))
+
+
+def qgemm(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor, outputs: tuple[int, int] | None = None) -> None:
+    """Prompt rows' form of `qmatmul` (gemm.c, what decode.c's `prefill_layer` runs): out[:, o0:o1] =
+    x @ W[o0:o1].T with each output one fused multiply-add chain over K in order, on the calling
+    thread; `outputs` (o0, o1), multiples of 4, default all."""
+    import torch
+
+    lib = library()
+    assert lib is not None
+    n, k = x.shape
+    rows = packed.shape[0] * 4
+    o0, o1 = outputs or (0, rows)
+    if x.dtype != torch.float32 or out.dtype != torch.float32 or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("qgemm: fp32 rows with unit stride expected")
+    if (k != packed.shape[1] * 32 or out.shape[0] != n or out.shape[1] < rows or o0 % 4 or o1 % 4
+            or not 0 <= o0 <= o1 <= rows):
+        raise ValueError(f"qgemm: shapes x {tuple(x.shape)}, weight {tuple(packed.shape)}, out {tuple(out.shape)}")
+    if lib.qgemm(x.data_ptr(), n, x.stride(0), k, kind, packed.data_ptr(), o0, o1, out.data_ptr(), out.stride(0)):
+        raise MemoryError("qgemm: out of memory")
 
 
 def qmatmul_int8(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor) -> None:

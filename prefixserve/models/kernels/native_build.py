@@ -28,7 +28,7 @@ from prefixserve.models.kernels import isa
 log = logging.getLogger("prefixserve.models")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = tuple(os.path.join(HERE, name) for name in ("attention.c", "qmatmul.c", "amx.c", "decode.c"))
+SOURCES = tuple(os.path.join(HERE, name) for name in ("attention.c", "qmatmul.c", "gemm.c", "amx.c", "decode.c"))
 HEADERS = (os.path.join(HERE, "simd.h"),)
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pthread")
 NICE_INCREMENT = 10  # the compilers' priority below this process's

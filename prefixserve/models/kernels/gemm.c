@@ -1,0 +1,254 @@
+/* Prompt rows' matmuls on GGUF 4- and 8-bit weights (decode.c `prefill_layer`): a register-tiled
+ * matrix multiply whose every output is one fused multiply-add chain over K in order.
+ *
+ * Weights in qmatmul.c's layout (its header): blocks of 4 outputs, groups of 32 inputs, the value of
+ * a weight w = fma(scale, code, bias) (Q4) or scale * code (Q8), one rounding, as qmatmul.c makes it.
+ * For a row x and an output o the kernel computes, always the same way:
+ *   acc = 0; acc = fma(x_k, w_ok, acc) for k = 0, 1, ..., K - 1; y = acc
+ * The vector lanes hold 16 *outputs*, not 16 inputs, so no lane sums are added at the end and the
+ * vector width never enters the arithmetic: the AVX-512, AVX2 and plain C bodies give the same bits
+ * (fmaf is the fused operation), whatever the row count, the rows' order, the output range a thread
+ * was given, or the tile sizes below, which only decide what is computed together.
+ *
+ * Why not qmatmul.c's order (16 lanes over K, summed by a tree): that order needs each row's inputs
+ * and each output's weights in registers together, two loads a fused multiply-add, and on AVX2's 16
+ * registers it ran load- and latency-bound (~29 GMAC/s a thread against the 38 two FMA ports allow).
+ * Here a step k loads 16 outputs' weights once for MR rows and each row's input once (a broadcast)
+ * for all 16: MR x 16 accumulators in registers, FMA-bound. Decode rows keep qmatmul.c: one row per
+ * call cannot amortise turning a panel of weights into floats; their KV is never cached as it is
+ * (docs/exactness.md), so the two orders never meet in one cached state.
+ *
+ * Blocking: the rows go in chunks of MC (their inputs of a KC-wide slice stay in L2), a chunk's
+ * outputs in panels of 16 whose weights for the slice are turned into floats once (`panel`, KC x 16
+ * floats, in L1), then MR rows at a time over the slice; partial sums of a slice wait in `out`
+ * (fp32 stores and loads are exact), so slicing K changes no bit.
+ */
+#include "simd.h"
+
+enum { KC = 192, MC = 256, OB = 4, Q4_BYTES = 96, Q8_BYTES = 144 };
+
+#if defined(__AVX512F__)
+#define MR 6   /* 6 rows x 32 outputs: 12 zmm accumulators, 8 loads for 12 fused multiply-adds */
+#define NR 32
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MR 6   /* 6 rows x 16 outputs: 12 ymm accumulators of AVX2's 16 registers */
+#define NR 16
+#else
+#define MR 4
+#define NR 16
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* r[i][j] -> r[j][i] for an 8 x 8 fp32 tile (pure data movement) */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* `panel`'s Q4 values for the 8 outputs of two blocks (the second absent: zeros) at once: each
+ * output's 32 values of a group as simd.h's AVX2 v_q4 makes them (fma(scale, code, bias)), 8 x 8
+ * tiles turned over in registers */
+static void panel_q4_pair(const uint8_t *a, const uint8_t *b, int64_t bytes, int64_t g0, int64_t g1, float *wp) {
+    const __m256i m = _mm256_set1_epi32(15);
+    for (int64_t g = g0; g < g1; g++) {
+        __m256 r[4][8];  /* [k octet][output] */
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *p = (j < 4 ? a : b) + g * bytes;
+            if (!p || (j >= 4 && !b)) {
+                for (int t = 0; t < 4; t++) r[t][j] = _mm256_setzero_ps();
+                continue;
+            }
+            int jj = j & 3;
+            const __m256 sc = _mm256_set1_ps(((const float *)(p + 64))[jj]), bi = _mm256_set1_ps(((const float *)(p + 80))[jj]);
+            __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * jj)));
+            __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * jj + 8)));
+            r[0][j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), bi);
+            r[1][j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_and_si256(b1, m)), bi);
+            r[2][j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), bi);
+            r[3][j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), bi);
+        }
+        float *dst = wp + (g - g0) * 32 * NR;
+        for (int t = 0; t < 4; t++) {
+            transpose8(r[t]);
+            for (int i = 0; i < 8; i++) _mm256_store_ps(dst + (8 * t + i) * NR, r[t][i]);
+        }
+    }
+}
+#endif
+
+/* wp[k - k0][j] = weight of output o + j at input k, k in [k0, k1) (a multiple of 32 apart), j < NR;
+ * outputs past `outs` (a partial panel) are 0 */
+static void panel(int q8, int64_t K, const uint8_t *q, int64_t o, int outs, int64_t k0, int64_t k1, float *wp) {
+    int64_t bytes = q8 ? Q8_BYTES : Q4_BYTES, bb = K / 32 * bytes;
+    int64_t n = k1 - k0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!q8) {
+        for (int j0 = 0; j0 < NR; j0 += 2 * OB) {
+            const uint8_t *a = j0 < outs ? q + (o + j0) / OB * bb : NULL;
+            const uint8_t *b = j0 + OB < outs ? q + (o + j0 + OB) / OB * bb : NULL;
+            if (!a) {
+                for (int64_t k = 0; k < n; k++) _mm256_store_ps(wp + k * NR + j0, _mm256_setzero_ps());
+                continue;
+            }
+            panel_q4_pair(a, b, bytes, k0 / 32, k1 / 32, wp + j0);
+        }
+        return;
+    }
+#endif
+    for (int j0 = 0; j0 < NR; j0 += OB) {
+        if (j0 >= outs) {
+            for (int64_t k = 0; k < n; k++)
+                for (int j = j0; j < j0 + OB; j++) wp[k * NR + j] = 0.0f;
+            continue;
+        }
+        const uint8_t *blk = q + (o + j0) / OB * bb;
+        for (int64_t g = k0 / 32; g < k1 / 32; g++) {
+            const uint8_t *p = blk + g * bytes;
+            float *dst = wp + (g * 32 - k0) * NR + j0;
+            for (int j = 0; j < OB; j++) {
+                float w[32];
+                if (q8) {
+                    float s = ((const float *)(p + 128))[j];
+                    const int8_t *c = (const int8_t *)p + 32 * j;
+                    for (int i = 0; i < 32; i++) w[i] = s * (float)c[i];
+                } else {
+                    vec lo, hi;
+                    v_q4(p + 16 * j, ((const float *)(p + 64))[j], ((const float *)(p + 80))[j], &lo, &hi);
+                    V_STORE(w, lo);
+                    V_STORE(w + 16, hi);
+                }
+                for (int i = 0; i < 32; i++) dst[i * NR + j] = w[i];
+            }
+        }
+    }
+}
+
+/* rows [0, R) of a tile: c[r][0:16] (ldc apart) = chain over the slice's n inputs from c (or from 0
+ * when first), weights wp (n x 16), inputs x (rows ldx apart, the slice's first input at x). The
+ * kernel always runs MR rows, rows past R repeating row R - 1 (their results not stored): each
+ * accumulator is a named variable, which the compiler keeps in a register (as an array it stored
+ * every accumulator to the stack each step). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n, float *c, int64_t ldc, int first) {
+    const float *x0 = x, *x1 = x + (R > 1) * ldx, *x2 = x + (R > 2 ? 2 : R - 1) * ldx;
+    const float *x3 = x + (R > 3 ? 3 : R - 1) * ldx, *x4 = x + (R > 4 ? 4 : R - 1) * ldx;
+    const float *x5 = x + (R > 5 ? 5 : R - 1) * ldx;
+    __m256 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
+    if (!first) {
+#define LD(r, A0, A1) if (R > r) A0 = _mm256_loadu_ps(c + r * ldc), A1 = _mm256_loadu_ps(c + r * ldc + 8);
+        LD(0, a00, a01) LD(1, a10, a11) LD(2, a20, a21) LD(3, a30, a31) LD(4, a40, a41) LD(5, a50, a51)
+#undef LD
+    }
+    for (int64_t k = 0; k < n; k++) {
+        __m256 w0 = _mm256_load_ps(wp + k * NR), w1 = _mm256_load_ps(wp + k * NR + 8), b;
+#define STEP(X, A0, A1) b = _mm256_broadcast_ss(X + k), A0 = _mm256_fmadd_ps(b, w0, A0), A1 = _mm256_fmadd_ps(b, w1, A1);
+        STEP(x0, a00, a01) STEP(x1, a10, a11) STEP(x2, a20, a21) STEP(x3, a30, a31) STEP(x4, a40, a41)
+        STEP(x5, a50, a51)
+#undef STEP
+    }
+#define ST(r, A0, A1) if (R > r) _mm256_storeu_ps(c + r * ldc, A0), _mm256_storeu_ps(c + r * ldc + 8, A1);
+    ST(0, a00, a01) ST(1, a10, a11) ST(2, a20, a21) ST(3, a30, a31) ST(4, a40, a41) ST(5, a50, a51)
+#undef ST
+}
+#elif defined(__AVX512F__)
+static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n, float *c, int64_t ldc, int first) {
+    const float *x0 = x, *x1 = x + (R > 1) * ldx, *x2 = x + (R > 2 ? 2 : R - 1) * ldx;
+    const float *x3 = x + (R > 3 ? 3 : R - 1) * ldx, *x4 = x + (R > 4 ? 4 : R - 1) * ldx;
+    const float *x5 = x + (R > 5 ? 5 : R - 1) * ldx;
+    __m512 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm512_setzero_ps();
+    if (!first) {
+#define LD(r, A0, A1) if (R > r) A0 = _mm512_loadu_ps(c + r * ldc), A1 = _mm512_loadu_ps(c + r * ldc + 16);
+        LD(0, a00, a01) LD(1, a10, a11) LD(2, a20, a21) LD(3, a30, a31) LD(4, a40, a41) LD(5, a50, a51)
+#undef LD
+    }
+    for (int64_t k = 0; k < n; k++) {
+        __m512 w0 = _mm512_load_ps(wp + k * NR), w1 = _mm512_load_ps(wp + k * NR + 16), b;
+#define STEP(X, A0, A1) b = _mm512_set1_ps(X[k]), A0 = _mm512_fmadd_ps(b, w0, A0), A1 = _mm512_fmadd_ps(b, w1, A1);
+        STEP(x0, a00, a01) STEP(x1, a10, a11) STEP(x2, a20, a21) STEP(x3, a30, a31) STEP(x4, a40, a41)
+        STEP(x5, a50, a51)
+#undef STEP
+    }
+#define ST(r, A0, A1) if (R > r) _mm512_storeu_ps(c + r * ldc, A0), _mm512_storeu_ps(c + r * ldc + 16, A1);
+    ST(0, a00, a01) ST(1, a10, a11) ST(2, a20, a21) ST(3, a30, a31) ST(4, a40, a41) ST(5, a50, a51)
+#undef ST
+}
+#else
+static inline __attribute__((always_inline)) void tile_fixed(int R, const float *x, int64_t ldx, const float *wp,
+                                                             int64_t n, float *c, int64_t ldc, int first) {
+    vec a[MR];
+    for (int r = 0; r < R; r++) a[r] = first ? V_ZERO() : V_LOAD(c + r * ldc);
+    for (int64_t k = 0; k < n; k++) {
+        vec w = V_LOAD(wp + k * NR);
+        for (int r = 0; r < R; r++) a[r] = V_FMA(V_SET1(x[r * ldx + k]), w, a[r]);
+    }
+    for (int r = 0; r < R; r++) V_STORE(c + r * ldc, a[r]);
+}
+
+/* one specialisation per row count: the same arithmetic per row */
+static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n, float *c, int64_t ldc, int first) {
+    switch (R) {
+#define T(k) case k: tile_fixed(k, x, ldx, wp, n, c, ldc, first); break;
+        T(1) T(2) T(3) T(4)
+#if MR > 4
+        T(5) T(6) T(7) T(8) T(9) T(10) T(11) T(12)
+#endif
+#undef T
+        default: break;
+    }
+}
+#endif
+
+/* out[r][o0:o1] = x[r] W^T for rows r < n (x rows ldx floats apart, K used; out rows ldo apart),
+ * kind 0: Q4, 1: Q8; o0, o1 multiples of 4 (qmatmul.c's blocks). Returns 0, or -1 when out of memory. */
+int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
+          float *out, int64_t ldo) {
+    if (n <= 0 || o1 <= o0) return 0;
+    float *wp = aligned_alloc(64, (size_t)KC * NR * sizeof(float));
+    float *c = aligned_alloc(64, (size_t)MR * NR * sizeof(float));  /* a partial panel's tile */
+    if (!wp || !c) {
+        free(wp);
+        free(c);
+        return -1;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        for (int64_t r0 = 0; r0 < n; r0 += MC) {
+            int64_t r1 = r0 + MC < n ? r0 + MC : n;
+            for (int64_t o = o0; o < o1; o += NR) {
+                int outs = o1 - o < NR ? (int)(o1 - o) : NR;
+                panel(kind == 1, K, q, o, outs, k0, k1, wp);
+                for (int64_t r = r0; r < r1; r += MR) {
+                    int R = r1 - r < MR ? (int)(r1 - r) : MR;
+                    const float *xr = x + r * ldx + k0;
+                    if (outs == NR) {
+                        tile(R, xr, ldx, wp, k1 - k0, out + r * ldo + o, ldo, k0 == 0);
+                        continue;
+                    }
+                    /* a partial panel: through a full-width tile, its real outputs copied back */
+                    for (int i = 0; i < R; i++)
+                        for (int j = 0; j < NR; j++) c[i * NR + j] = j < outs && k0 ? out[(r + i) * ldo + o + j] : 0.0f;
+                    tile(R, xr, ldx, wp, k1 - k0, c, NR, 0);
+                    for (int i = 0; i < R; i++) memcpy(out + (r + i) * ldo + o, c + i * NR, (size_t)outs * sizeof(float));
+                }
+            }
+        }
+    }
+    free(wp);
+    free(c);
+    return 0;
+}
