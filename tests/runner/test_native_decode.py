@@ -56,26 +56,26 @@ def test_qmatmul_rows_are_their_own_and_exact_to_fp32(n, q8):
 @pytest.mark.parametrize("n", [48, 100])
 def test_qgemm_rows_are_their_own_and_exact_to_fp32(n, q8):
     """gemm.c, prompt rows' matmul: the same weights as qmatmul, each output one chain over K, so a row's
-    bits are its own for any row count (across the 6-row tiles and 256-row chunks), any output range
+    bits are its own for any row count (across the 6-row tiles and 512-row chunks), any output range
     (across its 16- and 32-output panels) and any K (across its 192-input slices)."""
     g = torch.Generator().manual_seed(n + 1)
     k = 416  # three slices of K
     codes = _codes(g, n, k, q8)
     w = pack([codes], native_layout=True)
     assert w is not None and w.native is not None
-    x = torch.randn(300, k, generator=g)
-    full = torch.full((300, w.rows), float("nan"))
+    x = torch.randn(600, k, generator=g)
+    full = torch.full((600, w.rows), float("nan"))
     native.qgemm(x, w.native, w.native_kind, full)
     reference = F.linear(x.double(), dequantize(codes).double())
     assert (full[:, :n].double() - reference).abs().max() <= 1e-5 * reference.abs().max()
-    assert torch.equal(full[:, n:], torch.zeros(300, w.rows - n))  # the padding outputs' weights are 0
-    for rows in [*range(1, 14), 63, 257]:
-        for offset in (0, 5, 300 - rows):
+    assert torch.equal(full[:, n:], torch.zeros(600, w.rows - n))  # the padding outputs' weights are 0
+    for rows in [*range(1, 14), 63, 513]:
+        for offset in (0, 5, 600 - rows):
             part = torch.empty(rows, w.rows)
             native.qgemm(x[offset : offset + rows].contiguous(), w.native, w.native_kind, part)
             assert torch.equal(part, full[offset : offset + rows]), (rows, offset)
     for cut in (4, 20, 36, w.rows - 4):  # outputs split (threads): partial panels, the same bits
-        split = torch.empty(300, w.rows)
+        split = torch.empty(600, w.rows)
         native.qgemm(x, w.native, w.native_kind, split, (0, cut))
         native.qgemm(x, w.native, w.native_kind, split, (cut, w.rows))
         assert torch.equal(split, full), cut

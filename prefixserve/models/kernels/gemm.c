@@ -25,7 +25,7 @@
  */
 #include "simd.h"
 
-enum { KC = 192, MC = 256, OB = 4, Q4_BYTES = 96, Q8_BYTES = 144 };
+enum { KC = 192, MC = 512, OB = 4, Q4_BYTES = 96, Q8_BYTES = 144 };
 
 #if defined(__AVX512F__)
 #define MR 6   /* 6 rows x 32 outputs: 12 zmm accumulators, 8 loads for 12 fused multiply-adds */
