@@ -66,11 +66,12 @@ static void panel_q4_pair(const uint8_t *a, const uint8_t *b, int64_t bytes, int
     for (int64_t g = g0; g < g1; g++) {
         __m256 r[4][8];  /* [k octet][output] */
         for (int j = 0; j < 8; j++) {
-            const uint8_t *p = (j < 4 ? a : b) + g * bytes;
-            if (!p || (j >= 4 && !b)) {
+            const uint8_t *base = j < 4 ? a : b;
+            if (!base) {
                 for (int t = 0; t < 4; t++) r[t][j] = _mm256_setzero_ps();
                 continue;
             }
+            const uint8_t *p = base + g * bytes;
             int jj = j & 3;
             const __m256 sc = _mm256_set1_ps(((const float *)(p + 64))[jj]), bi = _mm256_set1_ps(((const float *)(p + 80))[jj]);
             __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * jj)));
