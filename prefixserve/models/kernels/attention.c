@@ -145,9 +145,6 @@ static inline __attribute__((always_inline)) void score_tile(int nb, const Pass 
         for (int t = 0; t < nb; t++) V_STORE(s + (int64_t)(p0 + i) * SB + b + 16 * t, a[t][i]);
 }
 
-/* Scores of pairs [first, np) over the stretch [lo, lo + cnt): three key blocks (12 KiB of K at hd 64,
- * kept in L1) against every group of PB pairs in turn; a group stops at its last key's block, blocks
- * past a pair's own last key are computed with the others and never read. */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* AVX2's score tile: 6 pairs x one 16-key block (12 accumulators of the 16 registers, each a named
  * variable so that none goes to the stack), each (pair, key) the chain of `score_tile` */
@@ -171,6 +168,8 @@ static void score_tile6(const Pass *ps, int p0, int np, int64_t b, const float *
 #undef ST
 }
 
+/* Scores of pairs [first, np) over the stretch [lo, lo + cnt): one key block at a time against every
+ * group of 6 pairs that reaches it (the other ISAs' form below, cut to AVX2's 16 registers) */
 static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t cnt, const float *kt, int hd,
                           float *s) {
     int64_t blocks = (cnt + 15) / 16;
@@ -181,6 +180,9 @@ static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t
         }
 }
 #else
+/* Scores of pairs [first, np) over the stretch [lo, lo + cnt): three key blocks (12 KiB of K at hd 64,
+ * kept in L1) against every group of PB pairs in turn; a group stops at its last key's block, blocks
+ * past a pair's own last key are computed with the others and never read. */
 static void score_stretch(const Pass *ps, int first, int np, int64_t lo, int64_t cnt, const float *kt, int hd,
                           float *s) {
     int64_t blocks = (cnt + 15) / 16;

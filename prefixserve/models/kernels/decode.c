@@ -341,8 +341,8 @@ static void weigh_values(const float *e, int64_t stride, int rep, int hd, const 
  * CPU with AMX: models/native_decode.py) */
 enum { W_ATTN_NORM, W_MLP_NORM, W_Q_NORM, W_K_NORM, W_QKV_BIAS, W_QKV, W_O, W_GATE_UP, W_DOWN, W_KINDS, W_PER_LAYER };
 
-/* out[:, o0:o1] = x W^T for pack i of layer weights w: qmatmul.c's arithmetic, or amx.c's on the rows
- * rounded to bf16 (row-local either way); 0, or -1 when amx.c ran out of memory */
+/* out[:, o0:o1] = x W^T for pack i of layer weights w: qmatmul.c's arithmetic (gemm.c's for prompt rows),
+ * or amx.c's on the rows rounded to bf16 (row-local either way); 0, or -1 when out of memory */
 static int matmul(const int64_t *w, int i, const float *x, int64_t n, int64_t ldx, int64_t K, int64_t o0,
                   int64_t o1, float *out, int64_t ldo, int prompt) {
     const uint8_t *pack = (const uint8_t *)w[W_QKV + i];

@@ -27,15 +27,33 @@
 
 enum { KC = 192, MC = 512, OB = 4, Q4_BYTES = 96, Q8_BYTES = 144 };
 
+/* The tile's vector: half a panel (H outputs), two a row */
 #if defined(__AVX512F__)
 #define MR 6   /* 6 rows x 32 outputs: 12 zmm accumulators, 8 loads for 12 fused multiply-adds */
 #define NR 32
+#define TILE_REGS 1
+typedef __m512 hv;
+#define H_ZERO() _mm512_setzero_ps()
+#define H_LOADU(p) _mm512_loadu_ps(p)
+#define H_LOADA(p) _mm512_load_ps(p)
+#define H_STOREU(p, v) _mm512_storeu_ps(p, v)
+#define H_BCAST(p) _mm512_set1_ps(*(p))
+#define H_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MR 6   /* 6 rows x 16 outputs: 12 ymm accumulators of AVX2's 16 registers */
 #define NR 16
+#define TILE_REGS 1
+typedef __m256 hv;
+#define H_ZERO() _mm256_setzero_ps()
+#define H_LOADU(p) _mm256_loadu_ps(p)
+#define H_LOADA(p) _mm256_load_ps(p)
+#define H_STOREU(p, v) _mm256_storeu_ps(p, v)
+#define H_BCAST(p) _mm256_broadcast_ss(p)
+#define H_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #else
 #define MR 4
 #define NR 16
+#define TILE_REGS 0  /* plain C: `tile_fixed` below */
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -142,49 +160,27 @@ static void panel(int q8, int64_t K, const uint8_t *q, int64_t o, int outs, int6
  * kernel always runs MR rows, rows past R repeating row R - 1 (their results not stored): each
  * accumulator is a named variable, which the compiler keeps in a register (as an array it stored
  * every accumulator to the stack each step). */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if TILE_REGS
 static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n, float *c, int64_t ldc, int first) {
+    enum { H = NR / 2 };
     const float *x0 = x, *x1 = x + (R > 1) * ldx, *x2 = x + (R > 2 ? 2 : R - 1) * ldx;
     const float *x3 = x + (R > 3 ? 3 : R - 1) * ldx, *x4 = x + (R > 4 ? 4 : R - 1) * ldx;
     const float *x5 = x + (R > 5 ? 5 : R - 1) * ldx;
-    __m256 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
-    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
+    hv a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = H_ZERO();
     if (!first) {
-#define LD(r, A0, A1) if (R > r) A0 = _mm256_loadu_ps(c + r * ldc), A1 = _mm256_loadu_ps(c + r * ldc + 8);
+#define LD(r, A0, A1) if (R > r) A0 = H_LOADU(c + r * ldc), A1 = H_LOADU(c + r * ldc + H);
         LD(0, a00, a01) LD(1, a10, a11) LD(2, a20, a21) LD(3, a30, a31) LD(4, a40, a41) LD(5, a50, a51)
 #undef LD
     }
     for (int64_t k = 0; k < n; k++) {
-        __m256 w0 = _mm256_load_ps(wp + k * NR), w1 = _mm256_load_ps(wp + k * NR + 8), b;
-#define STEP(X, A0, A1) b = _mm256_broadcast_ss(X + k), A0 = _mm256_fmadd_ps(b, w0, A0), A1 = _mm256_fmadd_ps(b, w1, A1);
+        hv w0 = H_LOADA(wp + k * NR), w1 = H_LOADA(wp + k * NR + H), b;
+#define STEP(X, A0, A1) b = H_BCAST(X + k), A0 = H_FMA(b, w0, A0), A1 = H_FMA(b, w1, A1);
         STEP(x0, a00, a01) STEP(x1, a10, a11) STEP(x2, a20, a21) STEP(x3, a30, a31) STEP(x4, a40, a41)
         STEP(x5, a50, a51)
 #undef STEP
     }
-#define ST(r, A0, A1) if (R > r) _mm256_storeu_ps(c + r * ldc, A0), _mm256_storeu_ps(c + r * ldc + 8, A1);
-    ST(0, a00, a01) ST(1, a10, a11) ST(2, a20, a21) ST(3, a30, a31) ST(4, a40, a41) ST(5, a50, a51)
-#undef ST
-}
-#elif defined(__AVX512F__)
-static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n, float *c, int64_t ldc, int first) {
-    const float *x0 = x, *x1 = x + (R > 1) * ldx, *x2 = x + (R > 2 ? 2 : R - 1) * ldx;
-    const float *x3 = x + (R > 3 ? 3 : R - 1) * ldx, *x4 = x + (R > 4 ? 4 : R - 1) * ldx;
-    const float *x5 = x + (R > 5 ? 5 : R - 1) * ldx;
-    __m512 a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
-    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm512_setzero_ps();
-    if (!first) {
-#define LD(r, A0, A1) if (R > r) A0 = _mm512_loadu_ps(c + r * ldc), A1 = _mm512_loadu_ps(c + r * ldc + 16);
-        LD(0, a00, a01) LD(1, a10, a11) LD(2, a20, a21) LD(3, a30, a31) LD(4, a40, a41) LD(5, a50, a51)
-#undef LD
-    }
-    for (int64_t k = 0; k < n; k++) {
-        __m512 w0 = _mm512_load_ps(wp + k * NR), w1 = _mm512_load_ps(wp + k * NR + 16), b;
-#define STEP(X, A0, A1) b = _mm512_set1_ps(X[k]), A0 = _mm512_fmadd_ps(b, w0, A0), A1 = _mm512_fmadd_ps(b, w1, A1);
-        STEP(x0, a00, a01) STEP(x1, a10, a11) STEP(x2, a20, a21) STEP(x3, a30, a31) STEP(x4, a40, a41)
-        STEP(x5, a50, a51)
-#undef STEP
-    }
-#define ST(r, A0, A1) if (R > r) _mm512_storeu_ps(c + r * ldc, A0), _mm512_storeu_ps(c + r * ldc + 16, A1);
+#define ST(r, A0, A1) if (R > r) H_STOREU(c + r * ldc, A0), H_STOREU(c + r * ldc + H, A1);
     ST(0, a00, a01) ST(1, a10, a11) ST(2, a20, a21) ST(3, a30, a31) ST(4, a40, a41) ST(5, a50, a51)
 #undef ST
 }
@@ -205,9 +201,6 @@ static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n,
     switch (R) {
 #define T(k) case k: tile_fixed(k, x, ldx, wp, n, c, ldc, first); break;
         T(1) T(2) T(3) T(4)
-#if MR > 4
-        T(5) T(6) T(7) T(8) T(9) T(10) T(11) T(12)
-#endif
 #undef T
         default: break;
     }
