@@ -117,3 +117,49 @@ def test_int8_dot_products_give_one_set_of_bits_at_every_level(tmp_path):
             assert torch.equal(ref, first[key][1]), (level, key)
             err = ((y - ref).norm() / ref.norm()).item()
             assert 0 < err < 2e-2, (level, key, err)
+
+
+_GEMM_CODE = """
+import sys, torch
+from prefixserve.models.kernels import native
+g = torch.Generator().manual_seed(12)
+out = {"isa": native.isa()}
+for kind, (n, k, rows) in ((0, (23, 576, 48)), (0, (7, 416, 32)), (1, (13, 576, 48))):
+    packed = torch.randint(0, 256, (rows // 4, k // 32, 96 if kind == 0 else 144), dtype=torch.uint8, generator=g)
+    scales = torch.rand(rows // 4, k // 32, 8 if kind == 0 else 4, generator=g) * 0.02
+    if kind == 0:
+        scales[:, :, 4:] -= 0.16
+    at = 64 if kind == 0 else 128
+    packed[:, :, at:at + scales.shape[2] * 4] = scales.contiguous().view(torch.uint8).view(rows // 4, k // 32, -1)
+    x = torch.randn(n, k, generator=g)
+    y = torch.empty(n, rows)
+    native.qgemm(x, packed, kind, y)
+    out[f"{kind}-{n}-{k}"] = y
+    if kind == 0:  # the panel-ordered copy prompt rows read (gemm.c P4): the same weights, the same bits
+        p4 = torch.full((n, rows), float("nan"))
+        native.qgemm(x, native.qpanel_pack(packed), 2, p4, (0, 16))
+        native.qgemm(x, native.qpanel_pack(packed), 2, p4, (16, rows))
+        out[f"2-{n}-{k}"] = p4
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_prompt_matmuls_give_one_set_of_bits_at_every_level(tmp_path):
+    """Prompt rows' matmuls (gemm.c `qgemm`) on Q4, on Q4's panel-ordered copy (P4) and on Q8: the
+    AVX-512, AVX2 and plain C bodies give the same bits (each output one fused chain over K in order),
+    and P4 gives Q4's bits, whatever the output range a thread takes."""
+    runs = {}
+    for level in native.executable_levels():
+        env = {**os.environ, "PREFIXSERVE_NATIVE_ISA": level,
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        path = str(tmp_path / f"{level}.pt")
+        subprocess.run([sys.executable, "-c", _GEMM_CODE, path], env=env, check=True, timeout=600)
+        runs[level] = torch.load(path)
+    assert "generic" in runs and len(runs) >= 2
+    first = runs[native.executable_levels()[0]]
+    for level, run in runs.items():
+        assert run["isa"] == level
+        for key, y in ((k, v) for k, v in run.items() if k != "isa"):
+            assert torch.equal(y.view(torch.int32), first[key].view(torch.int32)), (level, key)
+        for key in (k for k in run if k.startswith("0-")):
+            assert torch.equal(run[key].view(torch.int32), run["2" + key[1:]].view(torch.int32)), (level, key)

@@ -79,6 +79,13 @@ def test_qgemm_rows_are_their_own_and_exact_to_fp32(n, q8):
         native.qgemm(x, w.native, w.native_kind, split, (0, cut))
         native.qgemm(x, w.native, w.native_kind, split, (cut, w.rows))
         assert torch.equal(split, full), cut
+    if not q8:  # the panel-ordered copy prompt rows read (gemm.c P4): Q4's bits, row by row
+        p4 = native.qpanel_pack(w.native)
+        for rows, offset, cut in ((600, 0, 16), (7, 5, 32), (23, 100, w.rows - 16)):
+            part = torch.full((rows, w.rows), float("nan"))
+            native.qgemm(x[offset : offset + rows].contiguous(), p4, 2, part, (0, cut))
+            native.qgemm(x[offset : offset + rows].contiguous(), p4, 2, part, (cut, w.rows))
+            assert torch.equal(part, full[offset : offset + rows]), (rows, offset, cut)
 
 
 def _quantise(w: torch.Tensor) -> list[Codes]:
@@ -257,7 +264,12 @@ def _prefill_runner(folder: str, matmuls: str) -> ModelRunner:
             pytest.skip("no AMX tiles on this CPU")
         assert r.decoder.use_amx_tiles() == 4 * r.decoder.arch.num_layers  # the logits keep the 4-bit head
     plan = r.decoder.native_decode_plan()
-    assert plan is not None and (plan.prefill_weights is not None) == (matmuls == "amx")
+    assert plan is not None and plan.prefill_weights is not None
+    kinds = plan.prefill_weights[:, native_decode.W_KINDS]
+    if matmuls == "q4":  # every Q4 pack's panel-ordered copy (gemm.c P4), the tiny model having no Q8
+        assert bool(((kinds >> 8) & 0xF).eq(0xF).all()) and len(plan.panels) == 4 * r.decoder.arch.num_layers
+    else:
+        assert bool(((kinds >> 4) & 0xF).eq(0xF).all()) and not plan.panels
     return r
 
 

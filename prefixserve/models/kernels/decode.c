@@ -338,7 +338,8 @@ static void weigh_values(const float *e, int64_t stride, int rep, int hd, const 
 /* ---- the step ---- */
 /* a layer's weights: fp32 vectors and packs; W_KINDS: bit i set when pack i (qkv, o, gate_up, down)
  * is a qmatmul.c Q8 pack rather than Q4, bit 4 + i when it is an amx.c bf16 pack (prompt rows on a
- * CPU with AMX: models/native_decode.py) */
+ * CPU with AMX: models/native_decode.py), bit 8 + i when it is a gemm.c P4 pack (prompt rows' copy of
+ * a Q4 pack in panel order) */
 enum { W_ATTN_NORM, W_MLP_NORM, W_Q_NORM, W_K_NORM, W_QKV_BIAS, W_QKV, W_O, W_GATE_UP, W_DOWN, W_KINDS, W_PER_LAYER };
 
 /* out[:, o0:o1] = x W^T for pack i of layer weights w: qmatmul.c's arithmetic (gemm.c's for prompt rows),
@@ -348,7 +349,7 @@ static int matmul(const int64_t *w, int i, const float *x, int64_t n, int64_t ld
     const uint8_t *pack = (const uint8_t *)w[W_QKV + i];
     if (w[W_KINDS] >> (4 + i) & 1)
         return amx_matmul(x, 1, n, ldx, K, (const uint16_t *)pack, NULL, o0, o1, out, 1, ldo) == 0 ? 0 : -1;
-    if (prompt) return qgemm(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
+    if (prompt) return qgemm(x, n, ldx, K, w[W_KINDS] >> (8 + i) & 1 ? 2 : (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     qmatmul(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     return 0;
 }
@@ -606,7 +607,9 @@ int decode_step(const int64_t *dims, float eps, float scale, const int64_t *w, c
 int attention(const float *q, int64_t n, int64_t start, int heads, int kv_heads, int hd, const void *k,
               const void *v, int64_t kv_stride, int bf16, float scale, float *out);
 
-enum { SPLIT_WORK = 16384 };  /* rows x keys below which a segment's attention is one call */
+/* rows x keys below which a segment's attention is one call: a 23-row suffix after 630 cached keys
+ * (~15,000) is shared, which took its step on two AVX2 threads from 69 to 57 ms (16,384 before) */
+enum { SPLIT_WORK = 2048 };
 
 typedef struct {
     step_t s;

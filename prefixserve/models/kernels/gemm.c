@@ -27,6 +27,14 @@
 
 enum { KC = 192, MC = 512, OB = 4, Q4_BYTES = 96, Q8_BYTES = 144 };
 
+/* Panel-ordered 4-bit weights (kind 2, made from Q4 by `qpanel_pack`), what `panel` reads without
+ * turning 8 x 8 tiles over (those transposes were ~40% of a 23-row prompt's matmul time, and a fixed
+ * ~15 ms of every prefill step however few its rows): for each 16 outputs (a P4 panel, outputs
+ * 16 P ... 16 P + 15) and each group of 32 inputs, P4_BYTES bytes -- 32 rows of 8 bytes, row k's byte j
+ * holding output j's code of input k (low nibble) and output j + 8's (high nibble), then the 16
+ * outputs' scales and their biases (fp32). A weight's value is Q4's, fma(scale, code, bias). */
+enum { P4 = 16, P4_BYTES = 32 * P4 / 2 + 2 * P4 * 4 };
+
 /* The tile's vector: half a panel (H outputs), two a row */
 #if defined(__AVX512F__)
 #define MR 6   /* 6 rows x 32 outputs: 12 zmm accumulators, 8 loads for 12 fused multiply-adds */
@@ -108,11 +116,59 @@ static void panel_q4_pair(const uint8_t *a, const uint8_t *b, int64_t bytes, int
 }
 #endif
 
+/* wp[k - k0][j0 + j] = weight of output o + j at input k for j < 16, k in [k0, k1) (multiples of 32),
+ * from a P4 panel (o a multiple of 16) */
+static void panel_p4(int64_t K, const uint8_t *q, int64_t o, int64_t k0, int64_t k1, float *wp, int j0) {
+    for (int64_t g = k0 / 32; g < k1 / 32; g++) {
+        const uint8_t *p = q + (o / P4 * (K / 32) + g) * P4_BYTES;
+        const float *sc = (const float *)(p + 16 * P4), *bi = sc + P4;
+        float *dst = wp + (g * 32 - k0) * NR + j0;
+#if defined(__AVX512F__)
+        const __m512 s = _mm512_loadu_ps(sc), b = _mm512_loadu_ps(bi);
+        const __m512i sh = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0), m = _mm512_set1_epi32(15);
+        for (int k = 0; k < 32; k++) {
+            int64_t row;
+            memcpy(&row, p + 8 * k, 8);
+            __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(row)), sh), m);
+            _mm512_store_ps(dst + k * NR, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(c), b));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8), b0 = _mm256_loadu_ps(bi),
+                     b1 = _mm256_loadu_ps(bi + 8);
+        const __m256i m = _mm256_set1_epi32(15);
+        for (int k = 0; k < 32; k++) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * k)));
+            _mm256_store_ps(dst + k * NR, _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(c, m)), b0));
+            _mm256_store_ps(dst + k * NR + 8, _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), b1));
+        }
+#else
+        for (int k = 0; k < 32; k++)
+            for (int j = 0; j < 8; j++) {
+                int c = p[8 * k + j];
+                dst[k * NR + j] = fmaf(sc[j], (float)(c & 15), bi[j]);
+                dst[k * NR + j + 8] = fmaf(sc[j + 8], (float)(c >> 4), bi[j + 8]);
+            }
+#endif
+    }
+}
+
 /* wp[k - k0][j] = weight of output o + j at input k, k in [k0, k1) (a multiple of 32 apart), j < NR;
- * outputs past `outs` (a partial panel) are 0 */
-static void panel(int q8, int64_t K, const uint8_t *q, int64_t o, int outs, int64_t k0, int64_t k1, float *wp) {
+ * outputs past `outs` (a partial panel) are 0. kind 0: Q4, 1: Q8, 2: P4. */
+static void panel(int kind, int64_t K, const uint8_t *q, int64_t o, int outs, int64_t k0, int64_t k1, float *wp) {
+    int q8 = kind == 1;
     int64_t bytes = q8 ? Q8_BYTES : Q4_BYTES, bb = K / 32 * bytes;
     int64_t n = k1 - k0;
+    if (kind == 2) {
+        for (int j0 = 0; j0 < NR; j0 += P4) {
+            if (j0 < outs) {
+                panel_p4(K, q, o + j0, k0, k1, wp, j0);
+                continue;
+            }
+            for (int64_t k = 0; k < n; k++)
+                for (int j = j0; j < j0 + P4; j++) wp[k * NR + j] = 0.0f;
+        }
+        return;
+    }
 #if defined(__AVX2__) && defined(__FMA__)
     if (!q8) {
         for (int j0 = 0; j0 < NR; j0 += 2 * OB) {
@@ -208,7 +264,8 @@ static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n,
 #endif
 
 /* out[r][o0:o1] = x[r] W^T for rows r < n (x rows ldx floats apart, K used; out rows ldo apart),
- * kind 0: Q4, 1: Q8; o0, o1 multiples of 4 (qmatmul.c's blocks). Returns 0, or -1 when out of memory. */
+ * kind 0: Q4, 1: Q8 (o0, o1 multiples of 4, qmatmul.c's blocks), 2: P4 (`qpanel_pack`; o0, o1 multiples
+ * of 16). Returns 0, or -1 when out of memory. */
 int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
           float *out, int64_t ldo) {
     if (n <= 0 || o1 <= o0) return 0;
@@ -225,7 +282,7 @@ int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uin
             int64_t r1 = r0 + MC < n ? r0 + MC : n;
             for (int64_t o = o0; o < o1; o += NR) {
                 int outs = o1 - o < NR ? (int)(o1 - o) : NR;
-                panel(kind == 1, K, q, o, outs, k0, k1, wp);
+                panel(kind, K, q, o, outs, k0, k1, wp);
                 for (int64_t r = r0; r < r1; r += MR) {
                     int R = r1 - r < MR ? (int)(r1 - r) : MR;
                     const float *xr = x + r * ldx + k0;
@@ -245,4 +302,26 @@ int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uin
     free(wp);
     free(c);
     return 0;
+}
+
+/* Q4 weights q (qmatmul.c's layout, N outputs, a multiple of 16, by K inputs) -> P4 at dst
+ * (N / 16 * K / 32 * P4_BYTES bytes): the same codes, scales and biases, reordered */
+void qpanel_pack(const uint8_t *q, int64_t N, int64_t K, uint8_t *dst) {
+    int64_t groups = K / 32;
+    for (int64_t o = 0; o < N; o += P4)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *d = dst + (o / P4 * groups + g) * P4_BYTES;
+            float *sc = (float *)(d + 16 * P4), *bi = sc + P4;
+            for (int j = 0; j < 8; j++) {
+                int64_t a = o + j, b = o + j + 8;  /* the outputs sharing a byte */
+                const uint8_t *pa = q + (a / OB * groups + g) * Q4_BYTES, *pb = q + (b / OB * groups + g) * Q4_BYTES;
+                const uint8_t *ca = pa + 16 * (a % OB), *cb = pb + 16 * (b % OB);
+                for (int k = 0; k < 16; k++) {
+                    d[8 * k + j] = (uint8_t)((ca[k] & 15) | (cb[k] & 15) << 4);
+                    d[8 * (k + 16) + j] = (uint8_t)((ca[k] >> 4) | (cb[k] >> 4) << 4);
+                }
+                memcpy(sc + j, pa + 64 + 4 * (a % OB), 4), memcpy(sc + j + 8, pb + 64 + 4 * (b % OB), 4);
+                memcpy(bi + j, pa + 80 + 4 * (a % OB), 4), memcpy(bi + j + 8, pb + 80 + 4 * (b % OB), 4);
+            }
+        }
 }

@@ -144,7 +144,7 @@ def decode_wanted(dec: Decoder) -> str:
     wanted = os.environ.get("PREFIXSERVE_DECODE_ACTIVATIONS", "auto")
     if wanted not in ("auto", *DECODES):
         raise ValueError(f"PREFIXSERVE_DECODE_ACTIVATIONS must be auto, fp32 or int8, not {wanted!r}")
-    return wanted if dec.int4_decode and native_decode.plan_for(dec) is not None else "fp32"
+    return wanted if dec.int4_decode and native_decode.plan_for(dec, prompt_rows=False) is not None else "fp32"
 
 
 def apply_decode(dec: Decoder, activations: str) -> None:
@@ -218,7 +218,7 @@ def _time_decodes(dec: Decoder) -> dict[str, float]:
     try:
         for name in DECODES:
             apply_decode(dec, name)
-            plan = native_decode.plan_for(dec)
+            plan = native_decode.plan_for(dec, prompt_rows=False)
             if plan is None:
                 return {}
             best = math.inf
