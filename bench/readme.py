@@ -32,8 +32,8 @@ def render_readme(rows: list[Row], ours: Raw, peer: Raw, plan: dict[str, Any]) -
             "Same GGUF (SmolLM2-135M-Instruct Q4_1), same client code and prompts, greedy streaming "
             "chat completions on 127.0.0.1; both servers run, and each workload is measured on one and then "
             "the other (the order alternating; cold, warm and partial TTFT and decode request by request, "
-            "each measured warm request after an unmeasured repeat), the other idle meanwhile; start-up is "
-            "timed alone. Lower is better for TTFT and RSS, higher for tok/s. Ratios are ours/peer of the "
+            "each measured warm request after an unmeasured repeat), the other idle meanwhile (each turn waits "
+            "until neither server has used CPU for 0.1 s, at most 3 s); start-up is timed alone. Lower is better for TTFT and RSS, higher for tok/s. Ratios are ours/peer of the "
             "medians (of the p90s where the row says so); targets are reported, not asserted."
         ),
         "",

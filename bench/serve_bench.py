@@ -104,7 +104,8 @@ def measure(
 ) -> dict[str, dict[str, Any]]:
     """Time each server's start-up (alone), then start them all and run the suite interleaved:
     each workload on one server, then on the other (which goes first alternates; request by request
-    for a per-request workload, `interleave`), the other idle meanwhile. Returns each server's raw record.
+    for a per-request workload, `interleave`), the other idle meanwhile (`settle`). Returns each
+    server's raw record.
 
     A VM's speed drifts by tens of percent within minutes; measured one server after the other,
     13 minutes apart, a ratio mixed the servers with the drift (single-stream decode read 0.90x in
@@ -213,12 +214,27 @@ def default_gguf() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+async def settle(servers: dict[str, ServerProcess], quiet_s: float = 0.1, most_s: float = 3.0) -> None:
+    """Wait until no server has used CPU for `quiet_s` (at most `most_s`): a server may go on working
+    after its response (llama-server saves the prompt to its RAM cache, ours prefills the next chat
+    turn in the background), and that work must not land on the other server's measured request."""
+    deadline = time.perf_counter() + most_s
+    last = {name: s.cpu_seconds() for name, s in servers.items()}
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(quiet_s)
+        now = {name: s.cpu_seconds() for name, s in servers.items()}
+        if all(now[name] - last[name] < 0.005 for name in now):
+            return
+        last = now
+
+
 async def interleave(
     servers: dict[str, ServerProcess], models: dict[str, str], steps: list[tuple[str, Step]],
     suites: dict[str, SuiteResult], tick: Callable[[int], Any],
 ) -> None:
     """Each step on every server in turn, the order rotating from one step to the next; a per-request
-    step (an async generator, bench/workloads.py `Step`) alternates the servers request by request."""
+    step (an async generator, bench/workloads.py `Step`) alternates the servers request by request.
+    Before each turn both servers are let go quiet (`settle`), so each is measured with the other idle."""
     clients = {name: BenchClient(server.base_url, API_KEY, models[name]) for name, server in servers.items()}
     names = list(clients)
     try:
@@ -227,10 +243,12 @@ async def interleave(
             runs = [step(clients[name], suites[name], tick) for name in order]
             if not inspect.isasyncgen(runs[0]):
                 for run in runs:
+                    await settle(servers)
                     await run  # type: ignore[misc]
                 continue
             while runs:
                 for run in list(runs):
+                    await settle(servers)
                     try:
                         await anext(run)  # type: ignore[arg-type]
                     except StopAsyncIteration:

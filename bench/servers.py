@@ -167,6 +167,25 @@ class ServerProcess:
                 pass
         return total
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server's process group has used so far."""
+        proc = self._proc
+        if proc is None:
+            return 0.0
+        try:
+            root = psutil.Process(proc.pid)
+            members = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        total = 0.0
+        for member in members:
+            try:
+                t = member.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
     def _sample_rss(self) -> None:
         while not self._stop_sampling.is_set():
             self.peak_rss_bytes = max(self.peak_rss_bytes, self._group_rss_bytes())
