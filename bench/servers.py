@@ -150,17 +150,20 @@ class ServerProcess:
             time.sleep(0.05)  # start-up is a measured row: poll finely
         raise TimeoutError(f"{self.name} not ready after {self.ready_timeout_s:.0f}s:\n{self.log_tail()}")
 
-    def _group_rss_bytes(self) -> int:
+    def _members(self) -> list[psutil.Process]:
+        """The server's process and its descendants (none once it is gone)."""
         proc = self._proc
         if proc is None:
-            return 0
+            return []
         try:
             root = psutil.Process(proc.pid)
-            members = [root, *root.children(recursive=True)]
+            return [root, *root.children(recursive=True)]
         except psutil.Error:
-            return 0
+            return []
+
+    def _group_rss_bytes(self) -> int:
         total = 0
-        for member in members:
+        for member in self._members():
             try:
                 total += member.memory_info().rss
             except psutil.Error:
@@ -169,16 +172,8 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) the server's process group has used so far."""
-        proc = self._proc
-        if proc is None:
-            return 0.0
-        try:
-            root = psutil.Process(proc.pid)
-            members = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0.0
         total = 0.0
-        for member in members:
+        for member in self._members():
             try:
                 t = member.cpu_times()
                 total += t.user + t.system

@@ -75,6 +75,20 @@ def test_effective_flags_drop_what_the_level_leaves_out(monkeypatch):
     assert "amx_tile" in isa.effective_flags()
 
 
+def _at_every_level(code: str, tmp_path) -> dict[str, dict]:
+    """`code` (saving its outputs to the path it is given) run once per level this CPU executes, each
+    in its own process; its saved outputs by level."""
+    runs = {}
+    for level in native.executable_levels():
+        env = {**os.environ, "PREFIXSERVE_NATIVE_ISA": level,
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        path = str(tmp_path / f"{level}.pt")
+        subprocess.run([sys.executable, "-c", code, path], env=env, check=True, timeout=600)
+        runs[level] = torch.load(path)
+    assert "generic" in runs and len(runs) >= 2
+    return runs
+
+
 _INT8_CODE = """
 import sys, torch
 from prefixserve.models.kernels import native
@@ -101,14 +115,7 @@ def test_int8_dot_products_give_one_set_of_bits_at_every_level(tmp_path):
     """The decode step's int8-activation matmuls (qmatmul.c `qmatmul_x`): AVX2's maddubs, AVX-512
     VNNI's dpbusd and the plain C loop give the same bits (exact integer sums, the same float steps),
     and stay within int8 rounding of the fp32 dot products."""
-    runs = {}
-    for level in native.executable_levels():
-        env = {**os.environ, "PREFIXSERVE_NATIVE_ISA": level,
-               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        path = str(tmp_path / f"{level}.pt")
-        subprocess.run([sys.executable, "-c", _INT8_CODE, path], env=env, check=True, timeout=600)
-        runs[level] = torch.load(path)
-    assert "generic" in runs and len(runs) >= 2
+    runs = _at_every_level(_INT8_CODE, tmp_path)
     first = runs[native.executable_levels()[0]]
     for level, run in runs.items():
         assert run["isa"] == level
@@ -148,14 +155,7 @@ def test_prompt_matmuls_give_one_set_of_bits_at_every_level(tmp_path):
     """Prompt rows' matmuls (gemm.c `qgemm`) on Q4, on Q4's panel-ordered copy (P4) and on Q8: the
     AVX-512, AVX2 and plain C bodies give the same bits (each output one fused chain over K in order),
     and P4 gives Q4's bits, whatever the output range a thread takes."""
-    runs = {}
-    for level in native.executable_levels():
-        env = {**os.environ, "PREFIXSERVE_NATIVE_ISA": level,
-               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        path = str(tmp_path / f"{level}.pt")
-        subprocess.run([sys.executable, "-c", _GEMM_CODE, path], env=env, check=True, timeout=600)
-        runs[level] = torch.load(path)
-    assert "generic" in runs and len(runs) >= 2
+    runs = _at_every_level(_GEMM_CODE, tmp_path)
     first = runs[native.executable_levels()[0]]
     for level, run in runs.items():
         assert run["isa"] == level
