@@ -31,7 +31,7 @@ def configurations(flags: str) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {"default": {}}
     if "amx_bf16" in flags.split() and os.environ.get("PREFIXSERVE_NATIVE_ISA", "native") == "native":
         out["amx"] = {"PREFIXSERVE_DENSE_MATMUL": "amx"}
-    for name in ("q4", "fp32", "bf16"):
+    for name in ("q4", "q4x8", "fp32", "bf16"):
         out[name] = {"PREFIXSERVE_DENSE_MATMUL": name}
     for name in ("fp32", "int8"):  # the 4-bit decode step's activations (models/llama/kernel_choice.py)
         out[f"decode {name}"] = {"PREFIXSERVE_DECODE_ACTIVATIONS": name}

@@ -62,6 +62,7 @@ def fingerprint(runner: ModelRunner, model_identity: str) -> dict[str, str]:
         "format": str(FORMAT),
         "model": model_identity,
         "decoder": f"int4_decode={getattr(dec, 'int4_decode', False)}|prefill_q4={getattr(dec, 'prefill_q4', False)}"
+                   f"|prefill_int8={getattr(dec, 'prefill_int8', False)}"
                    f"|decode_int8={getattr(dec, 'decode_int8', False)}"
                    f"|native_attention={getattr(dec, 'native_attention', False)}|{type(dec).__name__}",
         "native_build": native.build_name(),

@@ -1,6 +1,6 @@
 """Run in a child process at one PREFIXSERVE_NATIVE_ISA level (tests/runner/test_isa_levels.py): the
 native kernels' outputs on fixed inputs, the embedded model's greedy run through the native 4-bit
-prefill and decode (on fp32 and on int8 activations), and whether a prompt resumed at a split point gives its one-shot logits, saved to the file named on the command line for the parent to compare."""
+prefill (on fp32 and on int8 activations) and decode (the same), and whether a prompt resumed at a split point gives its one-shot logits, saved to the file named on the command line for the parent to compare."""
 
 from __future__ import annotations
 
@@ -56,6 +56,17 @@ def main(out_path: str) -> None:
     runner.step([StepItem(split, ids[:77])])
     runner.step([StepItem(split, ids[77:])])
     out["resumed_equal"] = bool(torch.equal(split.logits, logits[0]))
+    # prompt rows on int8 activations (gemm.c X4, the AVX2 class's choice): the same bits at every
+    # level, and a resumed prompt still gives its one-shot logits
+    assert m.decoder.use_int8_prefill()
+    one = runner.new_state()
+    runner.step([StepItem(one, ids)])
+    resumed = runner.new_state()
+    runner.step([StepItem(resumed, ids[:77])])
+    runner.step([StepItem(resumed, ids[77:])])
+    assert one.logits is not None and resumed.logits is not None
+    out["logits_x8"] = one.logits.clone()
+    out["resumed_equal_x8"] = bool(torch.equal(resumed.logits, one.logits))
     torch.save(out, out_path)
 
 

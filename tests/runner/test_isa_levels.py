@@ -37,11 +37,13 @@ def test_avx2_build_gives_the_avx512_bits(tmp_path):
     assert (wide["isa"], narrow["isa"]) == ("avx512", "avx2")
     assert wide["build"] != narrow["build"]  # two builds, two files
     keys = [k for k in wide if isinstance(wide[k], torch.Tensor)]
-    assert "logits" in keys and "logits_int8" in keys and sum(k.startswith("attention-") for k in keys) == 8
+    assert {"logits", "logits_int8", "logits_x8"} <= set(keys) and sum(k.startswith("attention-") for k in keys) == 8
     for k in keys:
         assert torch.equal(wide[k], narrow[k]), k
     for run in runs.values():
-        assert run["resumed_equal"] is True
+        assert run["resumed_equal"] is True and run["resumed_equal_x8"] is True
+        assert not torch.equal(run["logits_x8"], run["logits"][0])  # int8 rows: other bits than fp32 rows'
+        assert int(torch.argmax(run["logits_x8"])) == int(torch.argmax(run["logits"][0]))
 
 
 def test_plain_c_level_builds(tmp_path):
@@ -139,6 +141,7 @@ for kind, (n, k, rows) in ((0, (23, 576, 48)), (0, (7, 416, 32)), (1, (13, 576, 
     at = 64 if kind == 0 else 128
     packed[:, :, at:at + scales.shape[2] * 4] = scales.contiguous().view(torch.uint8).view(rows // 4, k // 32, -1)
     x = torch.randn(n, k, generator=g)
+    x[0, :32] = 0.0  # a group of zeros (on int8 rows: scale 0, codes 0)
     y = torch.empty(n, rows)
     native.qgemm(x, packed, kind, y)
     out[f"{kind}-{n}-{k}"] = y
@@ -147,14 +150,19 @@ for kind, (n, k, rows) in ((0, (23, 576, 48)), (0, (7, 416, 32)), (1, (13, 576, 
         native.qgemm(x, native.qpanel_pack(packed), 2, p4, (0, 16))
         native.qgemm(x, native.qpanel_pack(packed), 2, p4, (16, rows))
         out[f"2-{n}-{k}"] = p4
+        x4 = torch.full((n, rows), float("nan"))
+        native.qgemm(x, native.qx4_pack(packed), 3, x4, (0, 16))
+        native.qgemm(x, native.qx4_pack(packed), 3, x4, (16, rows))
+        out[f"3-{n}-{k}"] = x4
 torch.save(out, sys.argv[1])
 """
 
 
 def test_prompt_matmuls_give_one_set_of_bits_at_every_level(tmp_path):
-    """Prompt rows' matmuls (gemm.c `qgemm`) on Q4, on Q4's panel-ordered copy (P4) and on Q8: the
-    AVX-512, AVX2 and plain C bodies give the same bits (each output one fused chain over K in order),
-    and P4 gives Q4's bits, whatever the output range a thread takes."""
+    """Prompt rows' matmuls (gemm.c `qgemm`) on Q4, on Q4's panel-ordered copy (P4), on Q8, and on Q4's
+    X4 copy with the rows rounded to int8: the AVX-512 (VNNI), AVX2 and plain C bodies give the same
+    bits (each output one fused chain over K in order; X4's exact integer sums, then one chain over the
+    groups), and P4 gives Q4's bits, whatever the output range a thread takes."""
     runs = _at_every_level(_GEMM_CODE, tmp_path)
     first = runs[native.executable_levels()[0]]
     for level, run in runs.items():
@@ -163,3 +171,6 @@ def test_prompt_matmuls_give_one_set_of_bits_at_every_level(tmp_path):
             assert torch.equal(y.view(torch.int32), first[key].view(torch.int32)), (level, key)
         for key in (k for k in run if k.startswith("0-")):
             assert torch.equal(run[key].view(torch.int32), run["2" + key[1:]].view(torch.int32)), (level, key)
+            x8 = run["3" + key[1:]]
+            err = ((x8 - run[key]).norm() / run[key].norm()).item()
+            assert 0 < err < 2e-2, (level, key, err)

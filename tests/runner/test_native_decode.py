@@ -57,7 +57,8 @@ def test_qmatmul_rows_are_their_own_and_exact_to_fp32(n, q8):
 def test_qgemm_rows_are_their_own_and_exact_to_fp32(n, q8):
     """gemm.c, prompt rows' matmul: the same weights as qmatmul, each output one chain over K, so a row's
     bits are its own for any row count (across the 6-row tiles and 512-row chunks), any output range
-    (across its 16- and 32-output panels) and any K (across its 192-input slices)."""
+    (across its 16- and 32-output panels) and any K (across its 192-input slices); the same for the
+    Q4 weights' copies (P4: Q4's bits; X4: on the rows rounded to int8)."""
     g = torch.Generator().manual_seed(n + 1)
     k = 416  # three slices of K
     codes = _codes(g, n, k, q8)
@@ -86,6 +87,22 @@ def test_qgemm_rows_are_their_own_and_exact_to_fp32(n, q8):
             native.qgemm(x[offset : offset + rows].contiguous(), p4, 2, part, (0, cut))
             native.qgemm(x[offset : offset + rows].contiguous(), p4, 2, part, (cut, w.rows))
             assert torch.equal(part, full[offset : offset + rows]), (rows, offset, cut)
+        # the copy multiplied by int8 rows (gemm.c X4): a row's bits its own, within int8 rounding of Q4's
+        x4 = native.qx4_pack(w.native)
+        x[3, 32:64] = 0.0  # a group of zeros: scale 0, codes 0
+        full = torch.full((600, w.rows), float("nan"))
+        native.qgemm(x, w.native, 0, full)
+        rounded = torch.full((600, w.rows), float("nan"))
+        native.qgemm(x, x4, 3, rounded)
+        assert torch.equal(rounded[:, n:], torch.zeros(600, w.rows - n))
+        err = ((rounded - full).norm() / full.norm()).item()
+        assert 0 < err < 2e-2, err
+        for rows in [*range(1, 10), 63]:
+            for offset, cut in ((0, 16), (5, 32), (600 - rows, w.rows - 16)):
+                part = torch.full((rows, w.rows), float("nan"))
+                native.qgemm(x[offset : offset + rows].contiguous(), x4, 3, part, (0, cut))
+                native.qgemm(x[offset : offset + rows].contiguous(), x4, 3, part, (cut, w.rows))
+                assert torch.equal(part, rounded[offset : offset + rows]), (rows, offset, cut)
 
 
 def _quantise(w: torch.Tensor) -> list[Codes]:

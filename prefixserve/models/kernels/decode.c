@@ -339,7 +339,8 @@ static void weigh_values(const float *e, int64_t stride, int rep, int hd, const 
 /* a layer's weights: fp32 vectors and packs; W_KINDS: bit i set when pack i (qkv, o, gate_up, down)
  * is a qmatmul.c Q8 pack rather than Q4, bit 4 + i when it is an amx.c bf16 pack (prompt rows on a
  * CPU with AMX: models/native_decode.py), bit 8 + i when it is a gemm.c P4 pack (prompt rows' copy of
- * a Q4 pack in panel order) */
+ * a Q4 pack in panel order), bit 12 + i when it is a gemm.c X4 pack (prompt rows' copy of a Q4 pack,
+ * multiplied by the rows rounded to int8) */
 enum { W_ATTN_NORM, W_MLP_NORM, W_Q_NORM, W_K_NORM, W_QKV_BIAS, W_QKV, W_O, W_GATE_UP, W_DOWN, W_KINDS, W_PER_LAYER };
 
 /* out[:, o0:o1] = x W^T for pack i of layer weights w: qmatmul.c's arithmetic (gemm.c's for prompt rows),
@@ -349,7 +350,9 @@ static int matmul(const int64_t *w, int i, const float *x, int64_t n, int64_t ld
     const uint8_t *pack = (const uint8_t *)w[W_QKV + i];
     if (w[W_KINDS] >> (4 + i) & 1)
         return amx_matmul(x, 1, n, ldx, K, (const uint16_t *)pack, NULL, o0, o1, out, 1, ldo) == 0 ? 0 : -1;
-    if (prompt) return qgemm(x, n, ldx, K, w[W_KINDS] >> (8 + i) & 1 ? 2 : (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
+    if (prompt)
+        return qgemm(x, n, ldx, K, w[W_KINDS] >> (12 + i) & 1 ? 3 : w[W_KINDS] >> (8 + i) & 1 ? 2 : (int)(w[W_KINDS] >> i & 1),
+                     pack, o0, o1, out, ldo);
     qmatmul(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     return 0;
 }

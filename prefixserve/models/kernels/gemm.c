@@ -263,12 +263,166 @@ static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n,
 }
 #endif
 
+/* ---- kind 3: X4, prompt rows on int8 activations ----
+ * The rows are rounded to int8 per group of 32 inputs exactly as the decode step's (qmatmul.c
+ * `quantize_q8x`: d = amax / 127, q_k = nearbyint(x_k / d), sq = d * sum(q)), and for a row and an
+ * output o of a Q4 weight (value fma(scale, code, bias)) the kernel computes, always the same way:
+ *   acc = 0; for each group g in order: S = sum of code_k * q_k over its 32 inputs (an exact integer,
+ *   |S| <= 32 * 15 * 127), acc = fma((float)S, scale_g * d_g, acc), acc = fma(bias_g, sq_g, acc); y = acc
+ * The integer sums are exact however they are formed, so AVX2 (maddubs, 16-bit sums of 8 steps,
+ * then madd), AVX-512 VNNI (dpbusd) and plain C give the same bits. Why: on AVX2 a multiply-add of
+ * 8 fp32 lanes is 8 MACs, a maddubs of 32 bytes 32 (summed in pairs), so with the 16-bit sums added
+ * lane-wise and widened once a group the integer step does ~2x the fp32 tile's MACs an instruction;
+ * llama.cpp's prompt rows on AVX2 multiply the same way (4-bit weights by int8 activations). The
+ * rounding of the activations is the price, the one llama.cpp pays: row-local, so a cached prefix is
+ * still exact (docs/exactness.md).
+ *
+ * Layout (`qx4_pack`, from a Q4 pack): for each 16 outputs (outputs 16 P ... 16 P + 15) and group of 32
+ * inputs, X4_BYTES bytes: 8 chunks of 32 bytes, chunk 2 s + h (s < 4, h < 2) holding at byte 4 j + t
+ * output 8 h + j's codes of inputs 4 s + t (low nibble) and 16 + 4 s + t (high nibble) -- one Q4 byte
+ * each, moved -- then the 16 outputs' scales and their biases (fp32). */
+enum { X4 = 16, X4_BYTES = 8 * 32 + 2 * X4 * 4, XR = 4 };
+
+void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq);
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 32 products of 4-bit codes (unsigned, in w) and int8 inputs, summed in fours into i32 lanes (VNNI)
+ * or in pairs into i16 lanes (maddubs: 2 x 15 x 127 at most; 8 steps of them fit 16 bits) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define X_ACC(a, w, x) _mm256_dpbusd_epi32(a, w, x)
+#define X_WIDEN(a) (a)
+#else
+#define X_ACC(a, w, x) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x))
+#define X_WIDEN(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
+#endif
+
+/* rows [0, R) of int8 rows xq (K apart; d, sq: G = K / 32 a row) times the 16 outputs of panel p ->
+ * out (rows ldo apart) */
+static inline __attribute__((always_inline)) void xtile(int R, const int8_t *xq, int64_t K, const float *xd,
+                                                        const float *xs, const uint8_t *p, float *out, int64_t ldo) {
+    int64_t G = K / 32;
+    __m256 y[XR][2];
+    for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm256_setzero_ps();
+    const __m256i m = _mm256_set1_epi8(15);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = p + g * X4_BYTES;
+        const int8_t *xg = xq + g * 32;
+        __m256i a[XR][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int s = 0; s < 4; s++) {
+            __m256i c0 = _mm256_loadu_si256((const __m256i *)(b + 64 * s));
+            __m256i c1 = _mm256_loadu_si256((const __m256i *)(b + 64 * s + 32));
+            __m256i w0 = _mm256_and_si256(c0, m), w1 = _mm256_and_si256(c1, m);
+            for (int r = 0; r < R; r++) {
+                int32_t v;
+                memcpy(&v, xg + r * K + 4 * s, 4);
+                __m256i xb = _mm256_set1_epi32(v);
+                a[r][0] = X_ACC(a[r][0], w0, xb);
+                a[r][1] = X_ACC(a[r][1], w1, xb);
+            }
+            w0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), m), w1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), m);
+            for (int r = 0; r < R; r++) {
+                int32_t v;
+                memcpy(&v, xg + r * K + 16 + 4 * s, 4);
+                __m256i xb = _mm256_set1_epi32(v);
+                a[r][0] = X_ACC(a[r][0], w0, xb);
+                a[r][1] = X_ACC(a[r][1], w1, xb);
+            }
+        }
+        const float *sc = (const float *)(b + 256), *bi = sc + X4;
+        __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8), b0 = _mm256_loadu_ps(bi), b1 = _mm256_loadu_ps(bi + 8);
+        for (int r = 0; r < R; r++) {
+            __m256 dx = _mm256_set1_ps(xd[r * G + g]), sq = _mm256_set1_ps(xs[r * G + g]);
+            y[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(X_WIDEN(a[r][0])), _mm256_mul_ps(s0, dx), y[r][0]);
+            y[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(X_WIDEN(a[r][1])), _mm256_mul_ps(s1, dx), y[r][1]);
+            y[r][0] = _mm256_fmadd_ps(b0, sq, y[r][0]);
+            y[r][1] = _mm256_fmadd_ps(b1, sq, y[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * ldo, y[r][0]), _mm256_storeu_ps(out + r * ldo + 8, y[r][1]);
+}
+#undef X_ACC
+#undef X_WIDEN
+#else
+static inline void xtile(int R, const int8_t *xq, int64_t K, const float *xd, const float *xs, const uint8_t *p,
+                         float *out, int64_t ldo) {
+    int64_t G = K / 32;
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < X4; o++) {
+            int h = o / 8, j = o % 8;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *b = p + g * X4_BYTES;
+                const int8_t *xg = xq + r * K + g * 32;
+                int S = 0;
+                for (int s = 0; s < 4; s++)
+                    for (int t = 0; t < 4; t++) {
+                        int c = b[64 * s + 32 * h + 4 * j + t];
+                        S += (c & 15) * xg[4 * s + t] + (c >> 4) * xg[16 + 4 * s + t];
+                    }
+                const float *sc = (const float *)(b + 256);
+                acc = fmaf((float)S, sc[o] * xd[r * G + g], acc);
+                acc = fmaf(sc[X4 + o], xs[r * G + g], acc);
+            }
+            out[r * ldo + o] = acc;
+        }
+}
+#endif
+
+/* kind 3 of qgemm: rows x (fp32) rounded to int8, then X4 panels [o0, o1) (multiples of 16) */
+static int xgemm(const float *x, int64_t n, int64_t ldx, int64_t K, const uint8_t *q, int64_t o0, int64_t o1,
+                 float *out, int64_t ldo) {
+    int64_t G = K / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((n * K + 63) / 64 * 64));
+    float *xd = malloc((size_t)(2 * n * G) * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    float *xs = xd + n * G;
+    quantize_q8x(x, n, ldx, K, xq, xd, xs);
+    for (int64_t o = o0; o < o1; o += X4) {
+        const uint8_t *p = q + o / X4 * G * X4_BYTES;
+        for (int64_t r = 0; r < n; r += XR) {
+            int R = n - r < XR ? (int)(n - r) : XR;
+            const int8_t *xr = xq + r * K;
+            const float *dr = xd + r * G, *sr = xs + r * G;
+            float *yr = out + r * ldo + o;
+            /* one specialisation per row count: the same arithmetic per row */
+            if (R == 4) xtile(4, xr, K, dr, sr, p, yr, ldo); else if (R == 3) xtile(3, xr, K, dr, sr, p, yr, ldo);
+            else if (R == 2) xtile(2, xr, K, dr, sr, p, yr, ldo); else xtile(1, xr, K, dr, sr, p, yr, ldo);
+        }
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+/* Q4 weights q (qmatmul.c's layout, N outputs, a multiple of 16, by K inputs) -> X4 at dst
+ * (N / 16 * K / 32 * X4_BYTES bytes): the same codes, scales and biases, reordered */
+void qx4_pack(const uint8_t *q, int64_t N, int64_t K, uint8_t *dst) {
+    int64_t groups = K / 32;
+    for (int64_t o = 0; o < N; o += X4)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *d = dst + (o / X4 * groups + g) * X4_BYTES;
+            for (int j = 0; j < X4; j++) {
+                int64_t a = o + j;
+                const uint8_t *pa = q + (a / OB * groups + g) * Q4_BYTES;
+                for (int s = 0; s < 4; s++) memcpy(d + 64 * s + 32 * (j / 8) + 4 * (j % 8), pa + 16 * (a % OB) + 4 * s, 4);
+                memcpy(d + 256 + 4 * j, pa + 64 + 4 * (a % OB), 4);
+                memcpy(d + 256 + 4 * (X4 + j), pa + 80 + 4 * (a % OB), 4);
+            }
+        }
+}
+
 /* out[r][o0:o1] = x[r] W^T for rows r < n (x rows ldx floats apart, K used; out rows ldo apart),
  * kind 0: Q4, 1: Q8 (o0, o1 multiples of 4, qmatmul.c's blocks), 2: P4 (`qpanel_pack`; o0, o1 multiples
- * of 16). Returns 0, or -1 when out of memory. */
+ * of 16), 3: X4 (`qx4_pack`, on int8 activations; multiples of 16). Returns 0, or -1 when out of memory. */
 int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uint8_t *q, int64_t o0, int64_t o1,
           float *out, int64_t ldo) {
     if (n <= 0 || o1 <= o0) return 0;
+    if (kind == 3) return xgemm(x, n, ldx, K, q, o0, o1, out, ldo);
     float *wp = aligned_alloc(64, (size_t)KC * NR * sizeof(float));
     float *c = aligned_alloc(64, (size_t)MR * NR * sizeof(float));  /* a partial panel's tile */
     if (!wp || !c) {

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # torch is imported where a kernel is called: the build start
 # the build's identity and target (isa.py, native_build.py) are offered here with the calls
 __all__ = ["SPLIT_MIN_WORK", "amx_linear", "amx_pack", "amx_ready", "attention", "attention_supported", "build_dir",
            "build_name", "cpu_info", "digest", "effective_flags", "executable_levels", "isa", "kernel_name", "library",
-           "qgemm", "qmatmul", "qmatmul_int8", "qpanel_pack"]
+           "qgemm", "qmatmul", "qmatmul_int8", "qpanel_pack", "qx4_pack"]
 
 log = logging.getLogger("prefixserve.models")
 
@@ -91,6 +91,8 @@ def library() -> ctypes.CDLL | None:
         lib.qgemm.argtypes = [P, I64, I64, I64, ctypes.c_int, P, I64, I64, P, I64]
         lib.qpanel_pack.restype = None
         lib.qpanel_pack.argtypes = [P, I64, I64, P]
+        lib.qx4_pack.restype = None
+        lib.qx4_pack.argtypes = [P, I64, I64, P]
         lib.decode_step.restype = ctypes.c_int
         lib.decode_step.argtypes = [P, ctypes.c_float, ctypes.c_float, P, P, P, P, P, P, P, P, P, ctypes.c_int]
         lib.prefill_scratch.restype = I64
@@ -137,14 +139,14 @@ def qmatmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor,
 def qgemm(x: torch.Tensor, packed: torch.Tensor, kind: int, out: torch.Tensor, outputs: tuple[int, int] | None = None) -> None:
     """Prompt rows' form of `qmatmul` (gemm.c, what decode.c's `prefill_layer` runs): out[:, o0:o1] =
     x @ W[o0:o1].T with each output one fused multiply-add chain over K in order, on the calling
-    thread; kind 0 (Q4), 1 (Q8) or 2 (P4, `qpanel_pack`'s); `outputs` (o0, o1), multiples of 4 (of 16 for
-    P4), default all."""
+    thread; kind 0 (Q4), 1 (Q8), 2 (P4, `qpanel_pack`'s) or 3 (X4, `qx4_pack`'s: x rounded to int8 per 32
+    inputs first); `outputs` (o0, o1), multiples of 4 (of 16 for P4 and X4), default all."""
     import torch
 
     lib = library()
     assert lib is not None
     n, k = x.shape
-    step = P4_OUTPUTS if kind == 2 else 4
+    step = P4_OUTPUTS if kind in (2, 3) else 4
     rows = packed.shape[0] * step
     o0, o1 = outputs or (0, rows)
     if x.dtype != torch.float32 or out.dtype != torch.float32 or x.stride(1) != 1 or out.stride(1) != 1:
@@ -162,16 +164,26 @@ P4_OUTPUTS, P4_BYTES = 16, 384  # gemm.c: outputs and bytes of a P4 panel's grou
 def qpanel_pack(packed: torch.Tensor) -> torch.Tensor:
     """A Q4 pack (uint8 [N / 4, K / 32, 96], N a multiple of 16) in gemm.c's panel order (P4: uint8
     [N / 16, K / 32, 384]), which prompt rows' matmuls read without transposing: the same values."""
+    return _repack(packed, "qpanel_pack")
+
+
+def qx4_pack(packed: torch.Tensor) -> torch.Tensor:
+    """A Q4 pack (as `qpanel_pack` takes) in gemm.c's X4 order (uint8 [N / 16, K / 32, 384]), which
+    prompt rows' matmuls on int8 activations read (qgemm kind 3): the same codes, scales and biases."""
+    return _repack(packed, "qx4_pack")
+
+
+def _repack(packed: torch.Tensor, name: str) -> torch.Tensor:
     import torch
 
     lib = library()
     assert lib is not None
     if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != 96 or (packed.shape[0] * 4) % P4_OUTPUTS:
-        raise ValueError(f"qpanel_pack: a Q4 pack of whole panels expected, got {tuple(packed.shape)}")
+        raise ValueError(f"{name}: a Q4 pack of whole panels expected, got {tuple(packed.shape)}")
     src = packed.contiguous()
     n, k = src.shape[0] * 4, src.shape[1] * 32
     out = torch.empty(n // P4_OUTPUTS, src.shape[1], P4_BYTES, dtype=torch.uint8)
-    lib.qpanel_pack(src.data_ptr(), n, k, out.data_ptr())
+    getattr(lib, name)(src.data_ptr(), n, k, out.data_ptr())
     return out
 
 

@@ -231,13 +231,44 @@ void qmatmul(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const 
  * VNNI (dpbusd: the same integers) and plain C (below) give the same bits; llama.cpp's 4-bit x 8-bit
  * dot products do the same kind of arithmetic. */
 
-/* x [n] rows ldx apart -> q [n][K] int8, d and sq [n][K / 32] */
+/* x [n] rows ldx apart -> q [n][K] int8, d and sq [n][K / 32]. The AVX2 body does the plain C's
+ * operations (max ignoring NaN, one multiply, rounding to nearest even, NaN -> 0): the same bytes. */
 void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq) {
     int64_t groups = K / 32;
     for (int64_t r = 0; r < n; r++)
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + r * ldx + g * 32;
             int8_t *qg = q + r * K + g * 32;
+#if defined(__AVX2__) && defined(__FMA__)
+            const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xg + 8 * i);
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);  /* a NaN lane keeps m (the second operand) */
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float amax = _mm_cvtss_f32(m4);
+            float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+            __m256i c[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                __m256 t = _mm256_mul_ps(v[i], _mm256_set1_ps(id)), number = _mm256_cmp_ps(t, t, _CMP_ORD_Q);
+                t = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t, bottom), top), number);  /* NaN -> 0 */
+                c[i] = _mm256_cvtps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                sum = _mm256_add_epi32(sum, c[i]);
+            }
+            /* 32 int32 -> 32 int8 in order (packs work within 128-bit halves, then put back in order) */
+            __m256i w01 = _mm256_packs_epi32(c[0], c[1]), w23 = _mm256_packs_epi32(c[2], c[3]);
+            __m256i b = _mm256_packs_epi16(w01, w23);
+            b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)qg, b);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            d[r * groups + g] = dd;
+            sq[r * groups + g] = dd * (float)_mm_cvtsi128_si32(s4);
+#else
             float amax = 0.0f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
             float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
@@ -251,6 +282,7 @@ void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, 
             }
             d[r * groups + g] = dd;
             sq[r * groups + g] = dd * (float)sum;
+#endif
         }
 }
 

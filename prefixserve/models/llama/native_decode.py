@@ -48,6 +48,7 @@ class DecodeModel(Protocol):
     decode_int8: bool
     amx: bool
     prefill_q4: bool
+    prefill_int8: bool
     dtype: torch.dtype
     device: torch.device
 
@@ -60,14 +61,14 @@ class DecodePlan:
     weights: torch.Tensor  # int64 [layers, 10]: decode.c's W_* addresses
     keep: list[torch.Tensor]  # the fp32 vectors those addresses point into
     # prompt rows' weights where they differ from decode rows': the amx.c packs (models/kernels/amx_tiles.py),
-    # or the Q4 packs' panel-ordered copies (`_panel_weights`)
+    # or the Q4 packs' panel-ordered copies (`_panel_weights`: P4, or X4 with `prefill_int8`)
     prefill_weights: torch.Tensor | None
     final_norm: torch.Tensor
     head: torch.Tensor
     vocab: int
     eps: float
     scale: float
-    panels: list[torch.Tensor] = field(default_factory=list)  # the P4 packs prefill_weights points to
+    panels: list[torch.Tensor] = field(default_factory=list)  # the P4 / X4 packs prefill_weights points to
 
 
 def _pack(w: Int4Weight | None, rows: int) -> tuple[int, int] | None:
@@ -122,18 +123,20 @@ def plan_for(dec: DecodeModel, prompt_rows: bool = True) -> DecodePlan | None:
 
 
 def _panel_weights(dec: DecodeModel, weights: torch.Tensor, panels: list[torch.Tensor]) -> torch.Tensor:
-    """`weights` with every Q4 pack's panel-ordered copy (gemm.c P4, decode.c W_KINDS bits 8-11) for
-    prompt rows, appended to `panels` (the plan keeps them): the same values, read by gemm.c without
-    transposing (~3x faster to turn into floats; 80 MB more for the embedded model). Q8 packs stay."""
+    """`weights` with every Q4 pack's copy for prompt rows, appended to `panels` (the plan keeps them):
+    gemm.c's P4 (decode.c W_KINDS bits 8-11: the same values, read without transposing, ~3x faster to
+    turn into floats), or with `dec.prefill_int8` its X4 (bits 12-15: the same codes, multiplied by the
+    rows rounded to int8). 80 MB more for the embedded model. Q8 packs stay."""
     out = weights.clone()
+    pack, bit = (native.qx4_pack, 12) if dec.prefill_int8 else (native.qpanel_pack, 8)
     for li, lw in enumerate(dec.layers):
         for i, w in enumerate((lw.qkv_q4, lw.o_q4, lw.gate_up_q4, lw.down_q4)):
             if w is None or w.native is None or w.native_kind != 0:
                 continue
-            p = native.qpanel_pack(w.native)
+            p = pack(w.native)
             panels.append(p)
             out[li, W_QKV + i] = p.data_ptr()
-            out[li, W_KINDS] = int(out[li, W_KINDS]) | 1 << (8 + i)
+            out[li, W_KINDS] = int(out[li, W_KINDS]) | 1 << (bit + i)
     return out
 
 

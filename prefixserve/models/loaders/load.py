@@ -64,18 +64,18 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 def fp32_matmuls_wanted(dtype: torch.dtype, device: str) -> bool:
     """Whether a bf16 model's prefill leaves the bf16 tiles (`Decoder.use_fp32_matmuls`): for the 4-bit
     codes where every layer has native packs, else fp32 copies of the weights. PREFIXSERVE_DENSE_MATMUL
-    says so: bf16 (no), q4 (yes), fp32 (yes, fp32 copies even where the packs are there); auto: where
-    the CPU lacks bf16 arithmetic."""
+    says so: bf16 (no), q4 and q4x8 (yes; q4x8 on int8 activations: `Decoder.use_int8_prefill`), fp32
+    (yes, fp32 copies even where the packs are there); auto: where the CPU lacks bf16 arithmetic."""
     if dtype != torch.bfloat16 or device != "cpu":
         return False
     choice = _dense_matmul_choice()
-    return choice in ("fp32", "q4") or (choice == "auto" and not cpu_has_native_bf16())
+    return choice in ("fp32", "q4", "q4x8") or (choice == "auto" and not cpu_has_native_bf16())
 
 
 def _dense_matmul_choice() -> str:
     choice = os.environ.get("PREFIXSERVE_DENSE_MATMUL", "auto")
-    if choice not in ("auto", "amx", "bf16", "fp32", "q4"):
-        raise ModelLoadError(f"PREFIXSERVE_DENSE_MATMUL must be auto, amx, bf16, fp32 or q4, not {choice!r}")
+    if choice not in ("auto", "amx", "bf16", "fp32", "q4", "q4x8"):
+        raise ModelLoadError(f"PREFIXSERVE_DENSE_MATMUL must be auto, amx, bf16, fp32, q4 or q4x8, not {choice!r}")
     return choice
 
 
@@ -157,6 +157,9 @@ def _widened(m: LoadedModel) -> LoadedModel:
         log.info("%s", dec.kernel_choice)
     elif fp32_matmuls_wanted(dec.dtype, dec.device.type):
         dec.use_fp32_matmuls(q4=choice != "fp32")
+        if choice == "q4x8" and not dec.use_int8_prefill():
+            log.warning("PREFIXSERVE_DENSE_MATMUL=q4x8: this model has no native 4-bit prefill to run on int8 "
+                        "activations; %s", dec.matmuls)
     elif (choice in ("auto", "amx") and dec.device.type == "cpu"
           and dec.use_amx_tiles() == 0 and choice == "amx"):
         raise ModelLoadError("PREFIXSERVE_DENSE_MATMUL=amx needs a bf16 model on a CPU with AMX (and the native kernels)")
