@@ -59,16 +59,15 @@ def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
     built = dec.kernel_fingerprint()
     choice = kernel_choice.choose(dec, str(tmp_path))
     assert len(timed) == len(kernel_choice._candidates(dec)) >= 3 and not choice.remembered
-    assert set(choice.seconds) >= {f"matmul:{m}" for m in ("q4", "q4x8", "fp32", "bf16")}
+    assert set(choice.seconds) >= {f"matmul:{m}" for m in ("q4", "fp32", "bf16")}
+    assert "matmul:q4x8" not in choice.seconds and not dec.prefill_int8  # int8 prompt rows: asked for only
     assert choice.matmul == fastest(choice.seconds, "matmul")
-    configured = {"amx": dec.amx, "q4": dec.prefill_q4 and not dec.prefill_int8, "q4x8": dec.prefill_int8,
-                  "fp32": dec.matmul_dtype == torch.float32}
+    configured = {"amx": dec.amx, "q4": dec.prefill_q4, "fp32": dec.matmul_dtype == torch.float32}
     assert all(on == (name == choice.matmul) for name, on in configured.items())
     assert set(choice.seconds) >= {"decode:fp32", "decode:int8"}
     assert choice.decode == fastest(choice.seconds, "decode") and dec.decode_int8 == (choice.decode == "int8")
     assert dec.decode_kernel == "int4" and ("-i8" in dec.kernel_fingerprint()) == (choice.decode == "int8")
     assert (dec.kernel_fingerprint() == built) == (choice.matmul == "bf16" and choice.decode == "fp32")
-    assert ("mm=q4x8" in dec.kernel_fingerprint()) == (choice.matmul == "q4x8")
     timed.clear()
     again = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
     second = kernel_choice.choose(again, str(tmp_path))
@@ -81,3 +80,16 @@ def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
     third = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
     kernel_choice.choose(third, str(tmp_path / "other"))
     assert third.decode_int8 == (choice.decode != "int8")
+
+
+@pytest.mark.slow
+def test_int8_prompt_rows_only_when_asked_for(monkeypatch):
+    """PREFIXSERVE_DENSE_MATMUL=q4x8: the 4-bit codes times int8 rows (gemm.c X4), named in the kernel
+    fingerprint; never a timed candidate (models/llama/kernel_choice.py)."""
+    monkeypatch.setenv("PREFIXSERVE_DENSE_MATMUL", "q4x8")
+    dec = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
+    if not dec.int4_decode or dec.native_decode_plan() is None:
+        pytest.skip("no native 4-bit prefill here")
+    assert dec.prefill_q4 and dec.prefill_int8 and "mm=q4x8" in dec.kernel_fingerprint()
+    assert "on int8 activations" in dec.matmuls
+    assert "q4x8" not in kernel_choice._candidates(dec)

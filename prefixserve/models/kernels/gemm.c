@@ -270,31 +270,63 @@ static void tile(int R, const float *x, int64_t ldx, const float *wp, int64_t n,
  *   acc = 0; for each group g in order: S = sum of code_k * q_k over its 32 inputs (an exact integer,
  *   |S| <= 32 * 15 * 127), acc = fma((float)S, scale_g * d_g, acc), acc = fma(bias_g, sq_g, acc); y = acc
  * The integer sums are exact however they are formed, so AVX2 (maddubs, 16-bit sums of 8 steps,
- * then madd), AVX-512 VNNI (dpbusd) and plain C give the same bits. Why: on AVX2 a multiply-add of
- * 8 fp32 lanes is 8 MACs, a maddubs of 32 bytes 32 (summed in pairs), so with the 16-bit sums added
- * lane-wise and widened once a group the integer step does ~2x the fp32 tile's MACs an instruction;
- * llama.cpp's prompt rows on AVX2 multiply the same way (4-bit weights by int8 activations). The
- * rounding of the activations is the price, the one llama.cpp pays: row-local, so a cached prefix is
- * still exact (docs/exactness.md).
+ * then madd), AVX-512 VNNI (dpbusd on 16 outputs a register, 8 rows a tile) and plain C give the same
+ * bits. Why: on AVX2 a multiply-add of 8 fp32 lanes is 8 MACs, a maddubs of 32 bytes 32 (summed in
+ * pairs), so with the 16-bit sums added lane-wise and widened once a group the integer step does ~2x
+ * the fp32 tile's MACs an instruction; llama.cpp's prompt rows on AVX2 multiply the same way (4-bit
+ * weights by int8 activations). The rounding of the activations is the price, the one llama.cpp
+ * pays: row-local, so a cached prefix is still exact (docs/exactness.md).
  *
  * Layout (`qx4_pack`, from a Q4 pack): for each 16 outputs (outputs 16 P ... 16 P + 15) and group of 32
  * inputs, X4_BYTES bytes: 8 chunks of 32 bytes, chunk 2 s + h (s < 4, h < 2) holding at byte 4 j + t
  * output 8 h + j's codes of inputs 4 s + t (low nibble) and 16 + 4 s + t (high nibble) -- one Q4 byte
  * each, moved -- then the 16 outputs' scales and their biases (fp32). */
-enum { X4 = 16, X4_BYTES = 8 * 32 + 2 * X4 * 4, XR = 4 };
+enum { X4 = 16, X4_BYTES = 8 * 32 + 2 * X4 * 4 };
 
 void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq);
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* 32 products of 4-bit codes (unsigned, in w) and int8 inputs, summed in fours into i32 lanes (VNNI)
- * or in pairs into i16 lanes (maddubs: 2 x 15 x 127 at most; 8 steps of them fit 16 bits) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define X_ACC(a, w, x) _mm256_dpbusd_epi32(a, w, x)
-#define X_WIDEN(a) (a)
-#else
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* AVX-512 with VNNI (a Zen 4's set, an Intel Xeon's): the panel's 16 outputs in one zmm, chunks 2 s
+ * and 2 s + 1 side by side in one 64-byte load, `dpbusd` adding 4 products into each 32-bit lane, 8
+ * rows a tile (32 registers) */
+#define XR 8
+static inline __attribute__((always_inline)) void xtile(int R, const int8_t *xq, int64_t K, const float *xd,
+                                                        const float *xs, const uint8_t *p, float *out, int64_t ldo) {
+    int64_t G = K / 32;
+    __m512 y[XR];
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+    const __m512i m = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = p + g * X4_BYTES;
+        const int8_t *xg = xq + g * 32;
+        __m512i a[XR];
+        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 4; s++) {
+            __m512i c = _mm512_loadu_si512((const void *)(b + 64 * s));
+            __m512i lo = _mm512_and_si512(c, m), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), m);
+            for (int r = 0; r < R; r++) {
+                int32_t v0, v1;
+                memcpy(&v0, xg + r * K + 4 * s, 4);
+                memcpy(&v1, xg + r * K + 16 + 4 * s, 4);
+                a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(v0));
+                a[r] = _mm512_dpbusd_epi32(a[r], hi, _mm512_set1_epi32(v1));
+            }
+        }
+        const float *sc = (const float *)(b + 256);
+        __m512 s16 = _mm512_loadu_ps(sc), b16 = _mm512_loadu_ps(sc + X4);
+        for (int r = 0; r < R; r++) {
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_mul_ps(s16, _mm512_set1_ps(xd[r * G + g])), y[r]);
+            y[r] = _mm512_fmadd_ps(b16, _mm512_set1_ps(xs[r * G + g]), y[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * ldo, y[r]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define XR 4
+/* 32 products of 4-bit codes (unsigned, in w) and int8 inputs summed in pairs into i16 lanes
+ * (maddubs: 2 x 15 x 127 at most; a group's 8 steps of them fit 16 bits), widened once a group */
 #define X_ACC(a, w, x) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x))
 #define X_WIDEN(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
-#endif
 
 /* rows [0, R) of int8 rows xq (K apart; d, sq: G = K / 32 a row) times the 16 outputs of panel p ->
  * out (rows ldo apart) */
@@ -344,6 +376,7 @@ static inline __attribute__((always_inline)) void xtile(int R, const int8_t *xq,
 #undef X_ACC
 #undef X_WIDEN
 #else
+#define XR 4
 static inline void xtile(int R, const int8_t *xq, int64_t K, const float *xd, const float *xs, const uint8_t *p,
                          float *out, int64_t ldo) {
     int64_t G = K / 32;
@@ -390,8 +423,15 @@ static int xgemm(const float *x, int64_t n, int64_t ldx, int64_t K, const uint8_
             const float *dr = xd + r * G, *sr = xs + r * G;
             float *yr = out + r * ldo + o;
             /* one specialisation per row count: the same arithmetic per row */
-            if (R == 4) xtile(4, xr, K, dr, sr, p, yr, ldo); else if (R == 3) xtile(3, xr, K, dr, sr, p, yr, ldo);
-            else if (R == 2) xtile(2, xr, K, dr, sr, p, yr, ldo); else xtile(1, xr, K, dr, sr, p, yr, ldo);
+            switch (R) {
+#define T(k) case k: xtile(k, xr, K, dr, sr, p, yr, ldo); break;
+                T(1) T(2) T(3) T(4)
+#if XR > 4
+                T(5) T(6) T(7) T(8)
+#endif
+#undef T
+                default: break;
+            }
         }
     }
     free(xq);

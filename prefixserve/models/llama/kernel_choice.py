@@ -7,10 +7,13 @@ an Intel Xeon with AMX the bf16 tiles win, on an AMD Zen 3 (AVX2 + FMA only) tor
 times each candidate here, on the machine that runs it, and keeps the fastest:
 
 - prefill matmuls (`MATMULS`): "amx" (bf16 on AMX tiles, amx.c, where the CPU has them), "q4" (the
-  GGUF's 4-bit codes, gemm.c, where every layer has native packs), "q4x8" (the same codes times the
-  rows rounded to int8 per 32 inputs, gemm.c X4: integer dot products, llama.cpp's kind of arithmetic,
-  where the one-call native prefill runs), "fp32" (fp32 copies of the weights through torch), "bf16"
-  (torch's bf16 matmul). Each is timed on the first `PROBE_LAYERS`
+  GGUF's 4-bit codes, gemm.c, where every layer has native packs), "fp32" (fp32 copies of the
+  weights through torch), "bf16" (torch's bf16 matmul). Not timed: "q4x8", the same codes times the
+  rows rounded to int8 per 32 inputs (gemm.c X4, llama.cpp's arithmetic; ~1.4x faster prefill on
+  AVX2), which only PREFIXSERVE_DENSE_MATMUL=q4x8 selects: it is exact for the cache like the others,
+  but its rounding moves the model's outputs ~10x further than the candidates above differ from one
+  another (the embedded model then answers "What is the capital of France?" as llama.cpp's server
+  does, wrongly), so it is an operator's trade of precision for speed, never the default. Each is timed on the first `PROBE_LAYERS`
   layers of a `PROBE_TOKENS`-token forward, norms, RoPE and attention included, since "amx" and
   "q4" also run a layer in one native call.
 - attention of the torch-tiled modes ("fp32", "bf16"): the native kernel (attention.c) or torch's
@@ -55,7 +58,7 @@ from prefixserve.models.segment import Segment
 
 log = logging.getLogger("prefixserve.models")
 
-MATMULS = ("amx", "q4", "q4x8", "fp32", "bf16")
+MATMULS = ("amx", "q4", "q4x8", "fp32", "bf16")  # q4x8: `apply` only, never timed (above)
 PROBE_TOKENS = 64
 PROBE_LAYERS = 4
 ATTENTION_KEYS = 512
@@ -194,8 +197,6 @@ def _candidates(dec: Decoder) -> list[str]:
         out.append("amx")
     if dec.layers and all(w is not None and w.native is not None for lw in dec.layers for w in lw.int4):
         out.append("q4")
-        if dec.int4_decode and native_decode.plan_for(dec, prompt_rows=False) is not None:
-            out.append("q4x8")
     return [*out, "fp32", "bf16"]
 
 
