@@ -439,23 +439,6 @@ static int xgemm(const float *x, int64_t n, int64_t ldx, int64_t K, const uint8_
     return 0;
 }
 
-/* Q4 weights q (qmatmul.c's layout, N outputs, a multiple of 16, by K inputs) -> X4 at dst
- * (N / 16 * K / 32 * X4_BYTES bytes): the same codes, scales and biases, reordered */
-void qx4_pack(const uint8_t *q, int64_t N, int64_t K, uint8_t *dst) {
-    int64_t groups = K / 32;
-    for (int64_t o = 0; o < N; o += X4)
-        for (int64_t g = 0; g < groups; g++) {
-            uint8_t *d = dst + (o / X4 * groups + g) * X4_BYTES;
-            for (int j = 0; j < X4; j++) {
-                int64_t a = o + j;
-                const uint8_t *pa = q + (a / OB * groups + g) * Q4_BYTES;
-                for (int s = 0; s < 4; s++) memcpy(d + 64 * s + 32 * (j / 8) + 4 * (j % 8), pa + 16 * (a % OB) + 4 * s, 4);
-                memcpy(d + 256 + 4 * j, pa + 64 + 4 * (a % OB), 4);
-                memcpy(d + 256 + 4 * (X4 + j), pa + 80 + 4 * (a % OB), 4);
-            }
-        }
-}
-
 /* out[r][o0:o1] = x[r] W^T for rows r < n (x rows ldx floats apart, K used; out rows ldo apart),
  * kind 0: Q4, 1: Q8 (o0, o1 multiples of 4, qmatmul.c's blocks), 2: P4 (`qpanel_pack`; o0, o1 multiples
  * of 16), 3: X4 (`qx4_pack`, on int8 activations; multiples of 16). Returns 0, or -1 when out of memory. */
@@ -498,6 +481,20 @@ int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uin
     return 0;
 }
 
+/* the Q4 block (qmatmul.c's layout, `groups` groups of 32 inputs a row) holding output a's group g */
+static inline const uint8_t *q4_block(const uint8_t *q, int64_t a, int64_t groups, int64_t g) {
+    return q + (a / OB * groups + g) * Q4_BYTES;
+}
+
+/* the scales, then the biases, of outputs o ... o + 15 at group g -> dst (32 floats: P4's and X4's tail) */
+static void panel_scales(const uint8_t *q, int64_t o, int64_t groups, int64_t g, uint8_t *dst) {
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *pa = q4_block(q, o + j, groups, g);
+        memcpy(dst + 4 * j, pa + 64 + 4 * ((o + j) % OB), 4);
+        memcpy(dst + 4 * (16 + j), pa + 80 + 4 * ((o + j) % OB), 4);
+    }
+}
+
 /* Q4 weights q (qmatmul.c's layout, N outputs, a multiple of 16, by K inputs) -> P4 at dst
  * (N / 16 * K / 32 * P4_BYTES bytes): the same codes, scales and biases, reordered */
 void qpanel_pack(const uint8_t *q, int64_t N, int64_t K, uint8_t *dst) {
@@ -505,17 +502,29 @@ void qpanel_pack(const uint8_t *q, int64_t N, int64_t K, uint8_t *dst) {
     for (int64_t o = 0; o < N; o += P4)
         for (int64_t g = 0; g < groups; g++) {
             uint8_t *d = dst + (o / P4 * groups + g) * P4_BYTES;
-            float *sc = (float *)(d + 16 * P4), *bi = sc + P4;
             for (int j = 0; j < 8; j++) {
                 int64_t a = o + j, b = o + j + 8;  /* the outputs sharing a byte */
-                const uint8_t *pa = q + (a / OB * groups + g) * Q4_BYTES, *pb = q + (b / OB * groups + g) * Q4_BYTES;
-                const uint8_t *ca = pa + 16 * (a % OB), *cb = pb + 16 * (b % OB);
+                const uint8_t *ca = q4_block(q, a, groups, g) + 16 * (a % OB), *cb = q4_block(q, b, groups, g) + 16 * (b % OB);
                 for (int k = 0; k < 16; k++) {
                     d[8 * k + j] = (uint8_t)((ca[k] & 15) | (cb[k] & 15) << 4);
                     d[8 * (k + 16) + j] = (uint8_t)((ca[k] >> 4) | (cb[k] >> 4) << 4);
                 }
-                memcpy(sc + j, pa + 64 + 4 * (a % OB), 4), memcpy(sc + j + 8, pb + 64 + 4 * (b % OB), 4);
-                memcpy(bi + j, pa + 80 + 4 * (a % OB), 4), memcpy(bi + j + 8, pb + 80 + 4 * (b % OB), 4);
             }
+            panel_scales(q, o, groups, g, d + 16 * P4);
+        }
+}
+
+/* Q4 weights q (as qpanel_pack takes) -> X4 at dst (N / 16 * K / 32 * X4_BYTES bytes): the same codes,
+ * scales and biases, reordered */
+void qx4_pack(const uint8_t *q, int64_t N, int64_t K, uint8_t *dst) {
+    int64_t groups = K / 32;
+    for (int64_t o = 0; o < N; o += X4)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *d = dst + (o / X4 * groups + g) * X4_BYTES;
+            for (int j = 0; j < X4; j++) {
+                const uint8_t *ca = q4_block(q, o + j, groups, g) + 16 * ((o + j) % OB);
+                for (int s = 0; s < 4; s++) memcpy(d + 64 * s + 32 * (j / 8) + 4 * (j % 8), ca + 4 * s, 4);
+            }
+            panel_scales(q, o, groups, g, d + 256);
         }
 }
