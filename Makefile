@@ -65,13 +65,20 @@ lint: install
 	$(VENV)/bin/mypy prefixserve tools
 
 # The peer, llama.cpp's own C++ llama-server, is built once from llama-cpp-python's sdist (compiles).
-# BENCH_ARGS=--quick for a short development run. Then the Mooncake trace replay (bench/trace_bench.py,
-# a few minutes; needs make trace) against both, figures in bench/results/raw/trace/trace.json.
+# BENCH_ARGS=--quick for a short development run. One table per CPU class, named by the flags that pick
+# kernels (docs/benchmarks.md, "CPU classes"): the AMX Xeon's in bench/results, every other class's in
+# bench/results/CLASS (avx512-bf16: e.g. AMD Zen 4; avx512; avx2: e.g. AMD Zen 3), so a run on one
+# class never overwrites another's; BENCH_OUT=DIR to choose. Then the Mooncake trace replay
+# (bench/trace_bench.py, a few minutes; needs make trace) against both, figures in bench/results/raw/trace.
+BENCH_CLASS := $(shell grep -qw amx_tile /proc/cpuinfo && echo amx || { grep -qw avx512_bf16 /proc/cpuinfo && \
+	echo avx512-bf16; } || { grep -qw avx512f /proc/cpuinfo && echo avx512; } || echo avx2)
+BENCH_OUT ?= bench/results$(if $(filter-out amx,$(BENCH_CLASS)),/$(BENCH_CLASS))
 bench: install
 	bash bench/peer.sh .peer
+	mkdir -p $(BENCH_OUT)
 	$(PY) bench/serve_bench.py --ours-cmd "$(VENV)/bin/prefixserve serve --no-ledger" \
-		--peer-bin .peer/bin/llama-server --out bench/results $(BENCH_ARGS)
-	$(PY) bench/kernel_configs.py --out bench/results/kernels.md
+		--peer-bin .peer/bin/llama-server --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(PY) bench/kernel_configs.py --out $(BENCH_OUT)/kernels.md
 	@if test -s bench/data/conversation_trace.jsonl; then \
 		$(PY) bench/trace_bench.py bench/data/conversation_trace.jsonl --out bench/results/raw/trace; \
 	else echo "bench/data/conversation_trace.jsonl missing (make trace): the trace replay is skipped"; fi

@@ -35,28 +35,55 @@ SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "con
 COMPACT: JsonCompileOptions = {"whitespace_flexible": False}  # llguidance's JSON options: no whitespace the model may add
 
 
-def closed_objects(schema: Any, part_of_all: bool = False) -> Any:
-    """`schema` with every object schema that lists its `properties` (or `patternProperties`) and says
-    nothing of other keys closed to them (`additionalProperties: false`), as vLLM's and xgrammar's
-    structured outputs read a schema: a forced tool call or a structured reply holds the keys it
-    declares, not ones a weak model invents (`{"city": "Oslo", "properties": {...}}`). Not a part of an
-    `allOf` or a schema beside one, whose parts each list only some of the keys. A new object."""
+INT_LIMIT = 2**53 - 1  # the bound of an integer a schema leaves unbounded (`compiled_schema`)
+
+
+def compiled_schema(schema: Any, part_of_all: bool = False) -> Any:
+    """`schema` as it is compiled, a new object:
+
+    - every object schema that lists its `properties` (or `patternProperties`) and says nothing of
+      other keys closed to them (`additionalProperties: false`), as vLLM's and xgrammar's structured
+      outputs read a schema: a forced tool call or a structured reply holds the keys it declares, not
+      ones a weak model invents (`{"city": "Oslo", "properties": {...}}`). Not a part of an `allOf` or
+      a schema beside one, whose parts each list only some of the keys;
+    - every integer the schema leaves unbounded held to |n| <= 2^53 - 1, the largest every JSON
+      reader holds exactly (JavaScript's `Number.MAX_SAFE_INTEGER`; 16 digits, as llama.cpp's
+      JSON-schema grammars hold integers): JSON allows any length, and a weak model then fills
+      `max_tokens` with zeros (the embedded model's `{"population":1000000000...`, measured). A bound
+      the schema gives is kept. (llguidance reads bounds as doubles: 10^16 - 1 would read as 10^16.)"""
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for k, v in schema.items():
         if k in SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: closed_objects(s) for name, s in v.items()}
+            out[k] = {name: compiled_schema(s) for name, s in v.items()}
         elif k in SCHEMA_LISTS and isinstance(v, list):
-            out[k] = [closed_objects(s, k == "allOf") for s in v]
+            out[k] = [compiled_schema(s, k == "allOf") for s in v]
         elif k in SCHEMA_ONE:
-            out[k] = closed_objects(v)
+            out[k] = compiled_schema(v)
         else:  # const, enum, default, examples, ...: values, not schemas
             out[k] = v
     opens = ("additionalProperties", "unevaluatedProperties", "allOf", "$ref")
     if not part_of_all and ("properties" in out or "patternProperties" in out) and not any(k in out for k in opens):
         out["additionalProperties"] = False
+    types = out.get("type")
+    if types == "integer" or (isinstance(types, list) and "integer" in types):
+        _bound_integer(out)
     return out
+
+
+def _bound_integer(schema: dict[str, Any]) -> None:
+    """Adds `compiled_schema`'s default bounds to an integer schema where it gives none (one a given
+    bound already puts past the default is left open on that side rather than made empty)."""
+    def given(*keys: str) -> Any:
+        return next((schema[k] for k in keys if isinstance(schema.get(k), int | float)
+                     and not isinstance(schema.get(k), bool)), None)
+
+    low, high = given("minimum", "exclusiveMinimum"), given("maximum", "exclusiveMaximum")
+    if high is None and (low is None or low <= INT_LIMIT) and "maximum" not in schema:
+        schema["maximum"] = INT_LIMIT
+    if low is None and (high is None or high >= -INT_LIMIT) and "minimum" not in schema:
+        schema["minimum"] = -INT_LIMIT
 
 
 def grammar_source(constraint: Constraint) -> str:
@@ -72,14 +99,14 @@ def grammar_source(constraint: Constraint) -> str:
 
 
 def _schema(constraint: Constraint) -> Any:
-    """A json_schema / json_object constraint's schema as it is compiled (object schemas closed)."""
-    return {"type": "object"} if constraint.kind == "json_object" else closed_objects(json.loads(constraint.source))
+    """A json_schema / json_object constraint's schema as it is compiled (`compiled_schema`)."""
+    return {"type": "object"} if constraint.kind == "json_object" else compiled_schema(json.loads(constraint.source))
 
 
 def embedded_schema(constraint: Constraint) -> dict[str, Any]:
     """A json_schema / json_object constraint as a schema to embed in a Lark grammar (`%json {...}`)
-    that holds the output to what `grammar_source` compiles for the constraint alone: object schemas
-    closed, compact JSON (`COMPACT` unless the schema's own `x-guidance` says otherwise)."""
+    that holds the output to what `grammar_source` compiles for the constraint alone (`compiled_schema`),
+    compact JSON (`COMPACT` unless the schema's own `x-guidance` says otherwise)."""
     if constraint.kind not in ("json_schema", "json_object"):
         raise ValueError(f"a {constraint.kind} constraint has no JSON schema")
     schema = _schema(constraint)

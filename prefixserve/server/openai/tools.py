@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.engine.detok import partial_len
-from prefixserve.engine.grammar import closed_objects, schema_compiles
+from prefixserve.engine.grammar import compiled_schema, schema_compiles
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD, TAIL = OPEN + "\n", "\n" + CLOSE  # around a call's JSON object (`call_text`)
@@ -132,7 +132,7 @@ def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
         if name is not None and fn["name"] != name:
             continue
         # no parameters: an empty list of them (OpenAI's reading), so the call's arguments are {}
-        params = closed_objects(fn.get("parameters") or {"type": "object", "properties": {}})
+        params = compiled_schema(fn.get("parameters") or {"type": "object", "properties": {}})
         options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
