@@ -15,8 +15,9 @@ times each candidate here, on the machine that runs it, and keeps the fastest:
   candidate above (mean KL over 16 chat prompts: 3.3e-3 against 1.3e-3 for bf16 tiles and 1.4e-3
   for fp32 copies on an AMD Zen 4; docs/architecture.md, "Prompt rows on int8 activations"), so it
   is an operator's trade of precision for speed, never the default. Each is timed on the first `PROBE_LAYERS`
-  layers of a `PROBE_TOKENS`-token forward, norms, RoPE and attention included, since "amx" and
-  "q4" also run a layer in one native call.
+  layers of a `PROBE_TOKENS`-token forward after `PROBE_START` cached keys, norms, RoPE and attention
+  included, since "amx" and "q4" also run a layer in one native call, with the server's team of
+  threads for the big calls (`_time_candidates`).
 - attention of the torch-tiled modes ("fp32", "bf16"): the native kernel (attention.c) or torch's
   fixed blocks, timed on one prefill tile over `ATTENTION_KEYS` keys. ("amx" and "q4" attend inside
   their native layer call.)
@@ -27,7 +28,8 @@ times each candidate here, on the machine that runs it, and keeps the fastest:
   (int8 is llama.cpp's kind of arithmetic), and the kernel fingerprint names the one in force
   (`decode=int4-i8`).
 
-The candidates are timed on one thread, and the verdict is remembered in
+The prefill candidates are timed with the team of threads a server gives its big calls (every usable
+core; the decode step on one thread), and the verdict is remembered in
 `$XDG_CACHE_HOME/prefixserve/kernel-choice.json` under a key of what the timings depend on (native
 build, torch build and dispatch level, model shapes), with a lock around timing and writing, so every
 process on this machine makes the same choice whatever its thread settings (one kernel fingerprint
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixserve.models.kernels import amx_tiles, native
+from prefixserve.models.kernels.threads import KERNEL_THREADS
 from prefixserve.models.layers import block_attention
 from prefixserve.models.llama import native_decode
 from prefixserve.models.llama.decoder import Decoder
@@ -61,12 +64,13 @@ log = logging.getLogger("prefixserve.models")
 
 MATMULS = ("amx", "q4", "q4x8", "fp32", "bf16")  # q4x8: `apply` only, never timed (above)
 PROBE_TOKENS = 64
+PROBE_START = 448  # the probe's rows follow this many cached keys (`_time_prefill`)
 PROBE_LAYERS = 4
 ATTENTION_KEYS = 512
 DECODES = ("fp32", "int8")
 DECODE_STEPS = 8
 DECODE_POSITION = 256
-FORMAT = 2
+FORMAT = 3  # 3: prefill probes after PROBE_START keys, on the serving thread count
 MAX_RECORDS = 32
 
 
@@ -92,7 +96,7 @@ class KernelChoice:
             best = times[won]
             beaten = ", ".join(f"{name} {v / best:.2f}x" for name, v in sorted(times.items(), key=lambda kv: kv[1])
                                if name != won)
-            unit = {"matmul": f"{PROBE_LAYERS} layers of a {PROBE_TOKENS}-token prefill",
+            unit = {"matmul": f"{PROBE_LAYERS} layers of {PROBE_TOKENS} prompt tokens after {PROBE_START}",
                     "attention": f"tile over {ATTENTION_KEYS} keys",
                     "decode": f"step at position {DECODE_POSITION}"}[group]
             parts.append(f"{group} {won} {best * 1e3:.1f} ms a {unit}" + (f" (beat {beaten})" if beaten else ""))
@@ -202,17 +206,39 @@ def _candidates(dec: Decoder) -> list[str]:
 
 
 def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
+    """Each candidate's prefill probe on the thread count a server runs its big calls on (every usable
+    core: models/kernels/threads.py), torch itself on one thread as a server runs it. On one thread
+    for all, an AMD Zen 4 chose torch's bf16 tiles over the 4-bit codes (1.38x at 64 fresh rows),
+    yet served a 2,000-token prompt 1.23x slower with them than with the codes (bench/kernel_configs.py,
+    2026-12-06): a native layer call runs all of itself on the team, a torch-tiled layer only its
+    matmuls and attention. The verdict stays one per machine: the count is the machine's, not the
+    process's settings."""
     seconds: dict[str, float] = {}
     base = _Saved(dec)
-    for name in candidates:
-        apply(dec, name)
-        best = min(seconds.values(), default=math.inf)
-        seconds[f"matmul:{name}"] = _time_prefill(dec, give_up_after=1.5 * best)
-        if name in ("fp32", "bf16") and dec.native_attention:
-            for how in ("native", "torch"):
-                seconds.setdefault(f"attention:{how}", _time_attention(dec, how))
-        base.restore(dec)
+    threads, allowed = KERNEL_THREADS.threads, set(KERNEL_THREADS.allowed)
+    KERNEL_THREADS.configure(_serving_threads())
+    KERNEL_THREADS.allow({"int4", "dense", "attention"})
+    try:
+        for name in candidates:
+            apply(dec, name)
+            best = min(seconds.values(), default=math.inf)
+            seconds[f"matmul:{name}"] = _time_prefill(dec, give_up_after=1.5 * best)
+            if name in ("fp32", "bf16") and dec.native_attention:
+                for how in ("native", "torch"):
+                    seconds.setdefault(f"attention:{how}", _time_attention(dec, how))
+            base.restore(dec)
+    finally:
+        KERNEL_THREADS.configure(threads)
+        KERNEL_THREADS.allow(allowed)
     return seconds
+
+
+def _serving_threads() -> int:
+    """The cores this process may run on: a server's default team for its big calls."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _time_decodes(dec: Decoder) -> dict[str, float]:
@@ -244,19 +270,21 @@ def _time_decodes(dec: Decoder) -> dict[str, float]:
 
 
 def _time_prefill(dec: Decoder, give_up_after: float) -> float:
-    """Seconds of the first PROBE_LAYERS layers of a PROBE_TOKENS-token forward on fresh KV (the
-    forward pauses after each layer, `Decoder.forward_layers`): a first, untimed run warms the
+    """Seconds of the first PROBE_LAYERS layers of a PROBE_TOKENS-token forward after PROBE_START cached
+    keys (the forward pauses after each layer, `Decoder.forward_layers`): rows that attend to a prefix,
+    as every chunk after a long prompt's first and every partial hit does (on fresh KV the Zen 4's
+    probe favoured the torch tiles that served both slower). A first, untimed run warms the
     candidate up (it makes the native plan and its packs: ~60 ms, which once counted against the
     candidates timed after the fastest so far), then the best of two, one where the first took longer
     than `give_up_after` (it will not be chosen)."""
     a = dec.arch
     ids = torch.arange(PROBE_TOKENS, dtype=torch.long) * 7919 % a.vocab_size
-    kv = torch.zeros(a.num_layers, 2, a.num_kv_heads, PROBE_TOKENS, a.head_dim, dtype=dec.dtype)
+    kv = torch.zeros(a.num_layers, 2, a.num_kv_heads, PROBE_START + PROBE_TOKENS, a.head_dim, dtype=dec.dtype)
     best = math.inf
     for i in range(3):
         kv.zero_()
         t0 = time.perf_counter()
-        steps = dec.forward_layers(ids, [Segment(0, PROBE_TOKENS, kv)])
+        steps = dec.forward_layers(ids, [Segment(PROBE_START, PROBE_TOKENS, kv)])
         try:
             for _ in range(min(PROBE_LAYERS, a.num_layers)):
                 next(steps)
