@@ -9,10 +9,10 @@ from typing import Any, cast
 
 import torch
 
-from prefixserve.engine import default_num_threads, usable_cores
+from prefixserve.engine import default_num_threads
 from prefixserve.models import load_model
 from prefixserve.models.kernels import native
-from prefixserve.models.kernels.threads import KERNEL_THREADS
+from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
 from prefixserve.models.loaders.load import embedded_model_path
 from prefixserve.runner import ModelRunner, SessionState, StepItem
 from prefixserve.runner.selftest import self_test

@@ -70,14 +70,6 @@ def build_engine(
     return AsyncEngine(core, model_id, tokenizer, detail, vocab_size, thread, model_source=source)
 
 
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask), at least one."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
 def default_num_threads() -> int:
     """Torch threads when `--num-threads` is not given: every usable core but one (at least one).
 
@@ -87,6 +79,8 @@ def default_num_threads() -> int:
     1.79 s with 1; warm TTFT 290 vs 66 ms with 2 threads, 58 vs 39 ms with 1 (the HTTP server and
     tokenizer keep the spare core). OMP_WAIT_POLICY=passive instead doubles the quiet time (3.1 s).
     docs/architecture.md, "Threads"."""
+    from prefixserve.models.kernels.threads import usable_cores
+
     return max(1, usable_cores() - 1)
 
 
@@ -143,7 +137,7 @@ def _prepare_runtime(model_config: ModelConfig, progress: Progress) -> tuple[str
 
     from prefixserve.models import resolve_device, resolve_dtype
     from prefixserve.models.kernels import native
-    from prefixserve.models.kernels.threads import KERNEL_THREADS
+    from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
 
     torch.set_num_threads(model_config.num_threads or default_num_threads())
     KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())

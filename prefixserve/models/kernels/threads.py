@@ -27,6 +27,7 @@ torch's count for BACKOFF_S seconds before trying again. Switching costs ~0.2 us
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -36,6 +37,14 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask), at least one: the default team for the big calls."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 class KernelThreads:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixserve.models.kernels import amx_tiles, native
-from prefixserve.models.kernels.threads import KERNEL_THREADS
+from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
 from prefixserve.models.layers import block_attention
 from prefixserve.models.llama import native_decode
 from prefixserve.models.llama.decoder import Decoder
@@ -216,7 +216,7 @@ def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
     seconds: dict[str, float] = {}
     base = _Saved(dec)
     threads, allowed = KERNEL_THREADS.threads, set(KERNEL_THREADS.allowed)
-    KERNEL_THREADS.configure(_serving_threads())
+    KERNEL_THREADS.configure(usable_cores())
     KERNEL_THREADS.allow({"int4", "dense", "attention"})
     try:
         for name in candidates:
@@ -231,14 +231,6 @@ def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
         KERNEL_THREADS.configure(threads)
         KERNEL_THREADS.allow(allowed)
     return seconds
-
-
-def _serving_threads() -> int:
-    """The cores this process may run on: a server's default team for its big calls."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def _time_decodes(dec: Decoder) -> dict[str, float]:
