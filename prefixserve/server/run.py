@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.config import ConfigError
+from prefixserve.models.kernels import native_build
 from prefixserve.server.launch import CONFIG_ERRORS, Launch
 from prefixserve.server.startup import LoadingServer, StartupProgress, hand_over
 
@@ -71,6 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     loading.start()  # /health answers "loading" from now on
 
     def abandon() -> None:  # a start-up that ends before serving
+        native_build.cancel()  # a first start's compilers stop with it
         loading.stop()
         progress.close()
         launch.close()
@@ -119,6 +121,9 @@ def load_engine(launch: Launch, progress: StartupProgress, abandon: Callable[[],
     StartEnded: 0 for a SIGTERM during the imports, 2 for a setting the model cannot work with
     (config.py's ConfigError, one line on stderr), 1 for a model that cannot load."""
     try:
+        if launch.model_config.device != "cuda":
+            # the compiler on the other core while torch is imported (a SIGTERM meanwhile cancels it)
+            native_build.prebuild()
         progress.phase("importing", "importing the runtime (torch, transformers)")
         # every module build_engine imports on this thread, torch among them, while a SIGTERM only
         # records (`_exit_now`): a SystemExit raised inside an import breaks numpy for the process

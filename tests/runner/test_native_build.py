@@ -39,3 +39,43 @@ def test_a_failed_build_is_reported_once_and_leaves_nothing(tmp_path: Path, monk
     with pytest.raises(subprocess.CalledProcessError):
         native_build.built_path("false")
     assert os.listdir(tmp_path) == []
+
+
+def test_cancel_stops_a_build_in_flight_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start-up that ends during a first build (SIGTERM while importing) cancels it: the waiting call
+    raises BuildCancelled within moments, no compiler keeps running, no file or directory is left."""
+    import threading
+    import time
+
+    from prefixserve.models.kernels import native_build
+
+    cc = native_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PREFIXSERVE_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_built", None)
+    monkeypatch.setattr(native_build, "_cancelled", threading.Event())
+    outcome: list[BaseException | str] = []
+
+    def build() -> None:
+        try:
+            outcome.append(native_build.built_path(cc))
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not any(n.startswith(".build-") for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the compilers are running
+    started = time.monotonic()
+    native_build.cancel()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - started < 2
+    assert len(outcome) == 1 and isinstance(outcome[0], native_build.BuildCancelled), outcome
+    assert os.listdir(tmp_path) == []
+    ps = subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
+    assert str(tmp_path) not in ps  # no compiler (cc1 included) still writes there
+    with pytest.raises(native_build.BuildCancelled):
+        native_build.built_path(cc)  # and none starts later in this process

@@ -183,9 +183,13 @@ def test_serve_tells_each_phase_and_health_says_loading_before_ok() -> None:
 
 @pytest.mark.slow
 def test_sigterm_while_loading_exits_cleanly(tmp_path: Path) -> None:
+    """A SIGTERM while the server loads (here: a first start, its kernels compiling in an empty
+    directory while torch is imported) exits 0 without a traceback, leaving no compiler running and
+    no half-built kernels."""
     port = free_port()
+    native_dir = tmp_path / "native"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFIXSERVE_MODEL_CACHE_DIR": TEST_MODEL_CACHE,
-           "PYTHONPATH": str(REPO_ROOT)}
+           "PYTHONPATH": str(REPO_ROOT), "PREFIXSERVE_NATIVE_DIR": str(native_dir)}
     log = tmp_path / "log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "prefixserve.cli", "serve", "--host", "127.0.0.1", "--port",
@@ -206,6 +210,9 @@ def test_sigterm_while_loading_exits_cleanly(tmp_path: Path) -> None:
         assert "Traceback" not in log.read_text(errors="replace")
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        assert not [n for n in (os.listdir(native_dir) if native_dir.exists() else []) if n.startswith(".build-")]
+        ps = subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
+        assert str(native_dir) not in ps
     finally:
         if proc.poll() is None:
             proc.kill()

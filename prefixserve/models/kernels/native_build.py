@@ -9,6 +9,8 @@ kernels (`prefixserve serve` does before importing torch), so the compiler runs 
 the process imports torch and parses the model; `native.library()` then waits for that build
 (`built_path`) instead of starting its own. The result is the same file either way: its name is a
 digest of the source, the flags, the compiler's version and the CPU's flags (`digest()`).
+`cancel()` stops a build in flight (its compilers killed, nothing left behind) for a process that
+ends before it needs the kernels: a SIGTERM during a first start's imports.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
 import threading
+import time
 
 from prefixserve.models.kernels import isa
 
@@ -34,6 +38,7 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-pth
 NICE_INCREMENT = 10  # the compilers' priority below this process's
 _build_lock = threading.Lock()  # held while the kernels compile: `built_path` waits for `prebuild`'s build
 _built: str | BaseException | None = None  # the built file's path, or why the build failed
+_cancelled = threading.Event()  # `cancel()`: a build in flight stops, a later one does not start
 _digest: str | None = None
 
 
@@ -78,22 +83,42 @@ def _build(cc: str) -> str:
         flags = [*FLAGS, *isa.march_flags()]
         objs = [os.path.join(work, os.path.basename(src) + ".o") for src in SOURCES]
         for src, obj in zip(SOURCES, objs, strict=True):
+            # each in a process group of its own (not a session: that would be a scheduler autogroup of its
+            # own, where `nice` means nothing): a kill reaches the compiler proper (cc1) too
             procs.append(subprocess.Popen([*_lower_priority(), cc, *flags, "-c", "-o", obj, src], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+                                          stderr=subprocess.PIPE, text=True, process_group=0))
         for proc in procs:
-            _, err = proc.communicate(timeout=300)
+            err = _finished(proc, timeout=300)
             if proc.returncode:
                 raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
         tmp = os.path.join(work, "kernels.so")
         subprocess.run([cc, *flags, "-o", tmp, *objs, "-lm"], check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same bytes
     finally:
-        for proc in procs:  # a failed or timed-out build leaves no compiler running
+        for proc in procs:  # a failed, timed-out or cancelled build leaves no compiler running
             if proc.poll() is None:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+def _finished(proc: subprocess.Popen[str], timeout: float) -> str:
+    """Wait for a compiler (its stderr back), looking every 0.1 s for `cancel()`; BuildCancelled then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if _cancelled.is_set():
+            raise BuildCancelled("the native kernels' build was cancelled")
+        try:
+            return proc.communicate(timeout=0.1)[1]
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+
+
+class BuildCancelled(subprocess.SubprocessError):
+    """`cancel()` stopped the build: the process is ending before it needed the kernels."""
 
 
 class UnsafeBuildDir(OSError):
@@ -134,6 +159,8 @@ def built_path(cc: str) -> str:
     gets the same path, or the same exception again."""
     global _built
     with _build_lock:
+        if _built is None and _cancelled.is_set():
+            _built = BuildCancelled("the native kernels' build was cancelled")
         if _built is None:
             try:
                 _built = _build(cc)
@@ -157,6 +184,13 @@ def prebuild() -> None:
         return
     if os.environ.get("PREFIXSERVE_NATIVE", "1") != "0" and cc is not None:
         threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build").start()
+
+
+def cancel() -> None:
+    """Stop a build in flight within ~0.1 s (its compilers killed, its temporary directory removed) and
+    start none later in this process: for a start-up that ends before it needs the kernels, so its
+    exit does not wait for `prebuild`'s thread to finish compiling."""
+    _cancelled.set()
 
 
 def _quietly_built(cc: str) -> None:
