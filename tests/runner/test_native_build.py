@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -44,9 +46,6 @@ def test_a_failed_build_is_reported_once_and_leaves_nothing(tmp_path: Path, monk
 def test_cancel_stops_a_build_in_flight_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A start-up that ends during a first build (SIGTERM while importing) cancels it: the waiting call
     raises BuildCancelled within moments, no compiler keeps running, no file or directory is left."""
-    import threading
-    import time
-
     from prefixserve.models.kernels import native_build
 
     cc = native_build.compiler()

@@ -109,7 +109,7 @@ def _finished(proc: subprocess.Popen[str], timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         if _cancelled.is_set():
-            raise BuildCancelled("the native kernels' build was cancelled")
+            raise BuildCancelled()
         try:
             return proc.communicate(timeout=0.1)[1]
         except subprocess.TimeoutExpired:
@@ -119,6 +119,9 @@ def _finished(proc: subprocess.Popen[str], timeout: float) -> str:
 
 class BuildCancelled(subprocess.SubprocessError):
     """`cancel()` stopped the build: the process is ending before it needed the kernels."""
+
+    def __init__(self) -> None:
+        super().__init__("the native kernels' build was cancelled")
 
 
 class UnsafeBuildDir(OSError):
@@ -160,7 +163,7 @@ def built_path(cc: str) -> str:
     global _built
     with _build_lock:
         if _built is None and _cancelled.is_set():
-            _built = BuildCancelled("the native kernels' build was cancelled")
+            _built = BuildCancelled()
         if _built is None:
             try:
                 _built = _build(cc)
