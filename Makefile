@@ -45,7 +45,7 @@ CUDA_TESTS := tests/runner/test_exactness.py tests/engine/test_engine_cache.py t
 test-cuda:
 	PREFIXSERVE_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider $(or $(TESTS),$(CUDA_TESTS))
 
-# The long runs: the exactness test's 16 prompts in every mode (`make test` runs 6 for the modes only
+# The long runs: the exactness test's 16 prompts in every mode (`make test` runs 4 for the modes only
 # a flag selects), and the reliability section (tests/reliability, also part of `make test`) with
 # soak-sized counts: 680 disconnect faults, 5 minutes of 32-client load, 500-probe timing audits, longer fuzzing.
 soak: install

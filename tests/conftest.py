@@ -23,9 +23,39 @@ if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
     raise pytest.UsageError("PREFIXSERVE_TEST_DEVICE=cuda but torch sees no CUDA device")
 
 _MODELS: dict[str, object] = {}
-# In-process model tests run on one thread: bits are the same for a fixed thread count, and two
-# threads stall badly whenever a server subprocess (or anything else) competes for the 2 cores.
+# In-process model tests run torch on one thread, as the server does on 2 cores
+# (engine.default_num_threads: a team over both cores stalls whenever anything else takes one).
 IN_PROCESS_THREADS = 1
+# ... and the embedded model's big calls (4-bit decode matmuls, dense tiles, native attention) on every
+# usable core, as the server does (models/kernels/threads.py): the kinds each loaded mode's self-test
+# showed to give the same bits on both counts, in the test modules that load the embedded model.
+# Every other module (tiny random-weight models, whose call shapes no self-test checked) runs
+# everything on one thread.
+_KERNEL_KINDS: dict[str, set[str]] = {}
+_EMBEDDED_MODULES: set[str] = set()
+_module: list[str] = [""]  # the module whose tests run now
+
+
+def _embedded_kernel_threads() -> None:
+    from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
+
+    KERNEL_THREADS.configure(usable_cores())
+    KERNEL_THREADS.allow(set.intersection(*_KERNEL_KINDS.values()) if _KERNEL_KINDS else set())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _this_module(request):
+    _module[0] = request.module.__name__
+
+
+@pytest.fixture(autouse=True)
+def _kernel_threads(request):
+    from prefixserve.models.kernels.threads import KERNEL_THREADS
+
+    if request.module.__name__ in _EMBEDDED_MODULES:
+        _embedded_kernel_threads()
+    elif KERNEL_THREADS.threads != 1:
+        KERNEL_THREADS.configure(1)
 
 
 def load_embedded(mode: str):
@@ -40,29 +70,36 @@ def load_embedded(mode: str):
         mode = "bf16"
     if mode not in _MODELS:
         from prefixserve.models import load_model
+        from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
         from prefixserve.runner import ModelRunner
         from prefixserve.runner.selftest import self_test
 
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         m = load_model(None, dtype, TEST_DEVICE, decode_kernel="int4" if mode == "int4" else "dense")
         runner = ModelRunner(m.decoder, IN_PROCESS_THREADS)
+        KERNEL_THREADS.configure(usable_cores())  # the self-test checks each kind of call on both counts
         result = self_test(runner)
         refused = not result.ok or (mode == "int4" and result.decode_kernel != "int4")
+        _KERNEL_KINDS[mode] = set(KERNEL_THREADS.allowed) if result.ok else set()
         _MODELS[mode] = (m, runner, result.detail if refused else None)
+    _EMBEDDED_MODULES.add(_module[0])
+    _embedded_kernel_threads()
     m, runner, refused = _MODELS[mode]
     if refused:
         pytest.skip(f"mode {mode} is refused on this machine by the self-test: {refused}")
     return m, runner
 
 
-@pytest.fixture(scope="session", params=["fp32", "bf16", "int4"])
+# function-scoped (the models are cached all the same), so that load_embedded runs in the test's own
+# module and switches its kernel threads on
+@pytest.fixture(params=["fp32", "bf16", "int4"])
 def embedded(request):
     if TEST_DEVICE == "cuda" and request.param == "int4":
         pytest.skip("4-bit decode rows are a CPU kernel: on CUDA the default is the bf16 case")
     return load_embedded(request.param)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def embedded_fp32():
     return load_embedded("fp32")
 
