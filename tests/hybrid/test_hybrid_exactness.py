@@ -84,15 +84,27 @@ def test_resume_from_every_grid_snapshot_and_odd_positions(runner, n):
     ids = _prompt(n, n)
     ref_logits, ref_tokens = _scratch(runner, ids)
     depths = sorted(d for d in set(range(CELL, n, CELL)) | {1, 2, 31, 33, 63, 65, n // 2, n - 1} if 0 < d < n)
+    # one source fed up to each depth in turn (its chunks end at the depths: any chunking gives the
+    # same bits, above), a snapshot taken at each
+    src, done, resumed = runner.new_state(n), 0, []
     for d in depths:
-        src = runner.new_state(n)
-        _prefill(runner, src, ids[:d])
+        _prefill(runner, src, ids[done:d])
+        done = d
         snap = src.snapshot()
         assert isinstance(snap, HybridSnapshot) and not snap.truncatable
         st = snap.restore(d, n - d + GREEDY)
         _prefill(runner, st, ids[d:])
         assert torch.equal(st.logits, ref_logits), d
-        assert _greedy(runner, st) == ref_tokens, d
+        resumed.append(st)
+    # then the greedy tokens of every resumed state, all decoding together in one batch per token
+    # (a batch gives each session its bits alone: test_batch_invariance)
+    got: list[list[int]] = [[] for _ in resumed]
+    for _ in range(GREEDY):
+        for toks, st in zip(got, resumed):
+            toks.append(int(st.logits.argmax()))
+        runner.step([StepItem(st, [toks[-1]], decode=True) for toks, st in zip(got, resumed)])
+    for toks, d in zip(got, depths):
+        assert toks == ref_tokens, d
 
 
 @pytest.mark.parametrize("n", LENGTHS)
