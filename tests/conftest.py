@@ -32,8 +32,13 @@ IN_PROCESS_THREADS = 1
 # Every other module (tiny random-weight models, whose call shapes no self-test checked) runs
 # everything on one thread.
 _KERNEL_KINDS: dict[str, set[str]] = {}
-_EMBEDDED_MODULES: set[str] = set()
-_module: list[str] = [""]  # the module whose tests run now
+_EMBEDDED_FILES: set[str] = set()
+
+
+def _test_file() -> str:
+    """The file of the test being set up or run, module fixtures included (pytest's PYTEST_CURRENT_TEST:
+    'path::name (phase)')."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
 
 
 def _embedded_kernel_threads() -> None:
@@ -43,16 +48,11 @@ def _embedded_kernel_threads() -> None:
     KERNEL_THREADS.allow(set.intersection(*_KERNEL_KINDS.values()) if _KERNEL_KINDS else set())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _this_module(request):
-    _module[0] = request.module.__name__
-
-
 @pytest.fixture(autouse=True)
-def _kernel_threads(request):
+def _kernel_threads():
     from prefixserve.models.kernels.threads import KERNEL_THREADS
 
-    if request.module.__name__ in _EMBEDDED_MODULES:
+    if _test_file() in _EMBEDDED_FILES:
         _embedded_kernel_threads()
     elif KERNEL_THREADS.threads != 1:
         KERNEL_THREADS.configure(1)
@@ -82,7 +82,7 @@ def load_embedded(mode: str):
         refused = not result.ok or (mode == "int4" and result.decode_kernel != "int4")
         _KERNEL_KINDS[mode] = set(KERNEL_THREADS.allowed) if result.ok else set()
         _MODELS[mode] = (m, runner, result.detail if refused else None)
-    _EMBEDDED_MODULES.add(_module[0])
+    _EMBEDDED_FILES.add(_test_file())
     _embedded_kernel_threads()
     m, runner, refused = _MODELS[mode]
     if refused:

@@ -20,6 +20,7 @@ from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import Namespace
 from tests.conftest import TEST_DEVICE
 from tests.hybrid.tiny import VOCAB, make_model
+from tests.runner.test_exactness import greedy_from
 
 torch.set_num_threads(1)
 GREEDY = 32  # greedy tokens compared after every resume (issue #14: >= 16 prompts x 32 tokens)
@@ -98,12 +99,7 @@ def test_resume_from_every_grid_snapshot_and_odd_positions(runner, n):
         resumed.append(st)
     # then the greedy tokens of every resumed state, all decoding together in one batch per token
     # (a batch gives each session its bits alone: test_batch_invariance)
-    got: list[list[int]] = [[] for _ in resumed]
-    for _ in range(GREEDY):
-        for toks, st in zip(got, resumed):
-            toks.append(int(st.logits.argmax()))
-        runner.step([StepItem(st, [toks[-1]], decode=True) for toks, st in zip(got, resumed)])
-    for toks, d in zip(got, depths):
+    for toks, d in zip(greedy_from(runner, resumed, GREEDY), depths):
         assert toks == ref_tokens, d
 
 
