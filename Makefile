@@ -27,14 +27,20 @@ redis-server:
 		{ root=$$(test "$$(id -u)" = 0 || echo sudo -n); $$root apt-get update -qq && \
 		  $$root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
+# The suite in two parts: everything but the `serial` files on TEST_WORKERS processes (pytest-xdist, a
+# file to a worker, so a module's shared server starts once), then the files that assert a bound on time,
+# alone (tests/conftest.py SERIAL). Both parts always run; the target fails if either failed.
+TEST_WORKERS ?= 2
+PYTEST_SUITE = $(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests; a=$$?; \
+	$(PY) -m pytest -q --durations=10 -m serial tests; b=$$?; test $$a = 0 && test $$b = 0
 test: install redis-server
-	$(PY) -m pytest -q --durations=15 tests
+	$(PYTEST_SUITE)
 
 # The suite with torch and the native kernels held to AVX2 + FMA (an AMD Zen 3's set) on a wider CPU
 # (docs/exactness.md, "Every CPU class"); a new build of the kernels, and the kernel choice timed anew.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PREFIXSERVE_NATIVE_ISA=avx2
 test-avx2: install redis-server
-	$(AVX2_ENV) $(PY) -m pytest -q --durations=15 tests
+	export $(AVX2_ENV); $(PYTEST_SUITE)
 
 # The exactness, cache and hybrid tests with their models on a CUDA GPU (tests/conftest.py,
 # PREFIXSERVE_TEST_DEVICE). `make install` puts the CPU torch in .venv: run this with a Python whose

@@ -41,10 +41,17 @@ def _test_file() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
 
 
+def _test_workers() -> int:
+    """How many pytest processes share this machine's cores (pytest-xdist's workers, `make test`)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+
+
 def _embedded_kernel_threads() -> None:
     from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
 
-    KERNEL_THREADS.configure(usable_cores())
+    # each of N workers gets its share of the cores: a team of two on a core the other worker holds
+    # waits for it at every call (the self-test still checks every kind at both counts)
+    KERNEL_THREADS.configure(max(1, usable_cores() // _test_workers()))
     KERNEL_THREADS.allow(set.intersection(*_KERNEL_KINDS.values()) if _KERNEL_KINDS else set())
 
 
@@ -56,6 +63,24 @@ def _kernel_threads():
         _embedded_kernel_threads()
     elif KERNEL_THREADS.threads != 1:
         KERNEL_THREADS.configure(1)
+
+
+# Files whose tests assert a bound on time (elapsed, waited, a share of a core, the timing audits,
+# latency and memory bounds under load): `make test` runs them after the rest, alone on the machine;
+# everything else runs in parallel workers (pytest-xdist, `-m "not serial"`), a file to a worker.
+SERIAL = ("tests/reliability/", "tests/bench/test_settle.py", "tests/cache/test_cache_shared.py",
+          "tests/engine/test_eager_refill.py", "tests/engine/test_engine_faults.py",
+          "tests/engine/test_engine_metrics.py", "tests/engine/test_step_faults.py",
+          "tests/runner/test_native_build.py", "tests/server/test_metrics_busy.py",
+          "tests/server/test_shutdown_endings.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by it
+def pytest_collection_modifyitems(config, items) -> None:
+    root = str(config.rootpath) + os.sep
+    for item in items:
+        if str(item.path).removeprefix(root).startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
 
 
 def load_embedded(mode: str):
