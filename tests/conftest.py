@@ -13,6 +13,12 @@ import torch
 # temporary directory instead.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="prefixserve-xdg-")
 os.environ.pop("PREFIXSERVE_DATA_DIR", None)
+# The native kernels of test runs, and the kernel-timing verdict remembered beside them
+# (models/llama/kernel_choice.py), live apart from the user's ~/.cache: a verdict timed while `make
+# test`'s parallel workers load both cores (the 4-bit codes 1.07x ahead of fp32 copies there, 1.52x
+# alone, on a Zen 3) must never become a later `prefixserve serve`'s choice.
+os.environ.setdefault("PREFIXSERVE_NATIVE_DIR", os.path.join(
+    tempfile.gettempdir(), f"prefixserve-test-kernels-{os.getuid()}", "native"))
 
 # PREFIXSERVE_TEST_DEVICE=cuda runs the model tests that honour it (the exactness, cache and hybrid
 # tests: `make test-cuda`) on the GPU; everything else, and CI, runs on the CPU.
