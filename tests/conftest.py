@@ -33,7 +33,8 @@ _MODELS: dict[str, object] = {}
 # (engine.default_num_threads: a team over both cores stalls whenever anything else takes one).
 IN_PROCESS_THREADS = 1
 # ... and the embedded model's big calls (4-bit decode matmuls, dense tiles, native attention) on every
-# usable core, as the server does (models/kernels/threads.py): the kinds each loaded mode's self-test
+# usable core, as the server does (models/kernels/threads.py; a pytest-xdist worker: its share of
+# them, `_embedded_kernel_threads`): the kinds each loaded mode's self-test
 # showed to give the same bits on both counts, in the test modules that load the embedded model.
 # Every other module (tiny random-weight models, whose call shapes no self-test checked) runs
 # everything on one thread.
@@ -83,9 +84,8 @@ SERIAL = ("tests/reliability/", "tests/bench/test_settle.py", "tests/cache/test_
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by it
 def pytest_collection_modifyitems(config, items) -> None:
-    root = str(config.rootpath) + os.sep
     for item in items:
-        if str(item.path).removeprefix(root).startswith(SERIAL):
+        if item.nodeid.startswith(SERIAL):  # 'tests/...py::name', relative to the repository root
             item.add_marker(pytest.mark.serial)
 
 
