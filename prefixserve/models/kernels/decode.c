@@ -16,9 +16,9 @@
  *               e_j = exp(s_j - m) (simd.h v_exp, 16 keys at a time), den = hsum of a 16-lane
  *               chain, out = (sum_j e_j v_j, chains in key order) / den
  *   MLP         silu(g) * u with silu(g) = g * sigmoid(g) from exp(-|g|)
- * Threads split the outputs of a matmul; attention's work by (row, kv head) for q/k/v and the K/V
- * write, by 64-key chunks for scores, by (row, head) for softmax weights, by 16 dims for P.V: who
- * computes a value never changes how.
+ * Threads claim the outputs of a matmul in chunks as they go (`grab`); attention's work is split by
+ * (row, kv head) for q/k/v and the K/V write, by 64-key chunks for scores, by (row, head) for softmax
+ * weights, by 16 dims for P.V: who computes a value never changes how.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -33,6 +33,8 @@ int qgemm(const float *x, int64_t n, int64_t ldx, int64_t K, int kind, const uin
 void quantize_q8x(const float *x, int64_t n, int64_t ldx, int64_t K, int8_t *q, float *d, float *sq);
 void qmatmul_x(const int8_t *xq, const float *xd, const float *xs, int64_t n, int64_t K, int kind,
                const uint8_t *q, int64_t o0, int64_t o1, float *out, int64_t ldo);
+void xgemm_q8(const int8_t *xq, const float *xd, const float *xs, int64_t n, int64_t K, const uint8_t *q, int64_t o0,
+              int64_t o1, float *out, int64_t ldo);
 int amx_matmul(const void *x, int x_f32, int64_t M, int64_t ldx, int64_t K, const uint16_t *w, const float *bias,
                int64_t o0, int64_t o1, void *out, int out_f32, int64_t ldo);
 
@@ -126,15 +128,22 @@ static int run_team_locked(task_fn fn, void *arg, int T) {
     return T;
 }
 
+/* `work`: the next unclaimed output of the matmul between two barriers (`grab`); the last member to
+ * arrive sets it back to 0 while the others wait, so no member can still be claiming from it */
 typedef struct {
     atomic_int count, sense;
+    atomic_llong work;
 } barrier_t;
 
 static void barrier(barrier_t *b, int *local, int T) {
-    if (T <= 1) return;
+    if (T <= 1) {
+        atomic_store(&b->work, 0);
+        return;
+    }
     *local = !*local;
     if (atomic_fetch_add(&b->count, 1) == T - 1) {
         atomic_store(&b->count, 0);
+        atomic_store(&b->work, 0);
         atomic_store(&b->sense, *local);
     } else {
         long spins = 0;
@@ -147,6 +156,26 @@ static void share(int64_t N, int t, int T, int64_t *o0, int64_t *o1) {
     int64_t blocks = N / 16;
     *o0 = blocks * t / T * 16;
     *o1 = blocks * (t + 1) / T * 16;
+}
+
+/* The next chunk [o0, o1) of a matmul's N outputs (N a multiple of 16) that no member has claimed,
+ * from the counter the barriers reset; 0 when none is left. Chunks shrink as the outputs run out
+ * (1 / (2T) of what is left, whole blocks of 16, at least GRAB_MIN): a member that a busy machine
+ * slowed (a VM's other tenants, another process) takes fewer of them instead of keeping the others
+ * at the next barrier. Who computes an output never changes how, so the bits are the same. */
+enum { GRAB_MIN = 32 };
+static int grab(barrier_t *b, int64_t N, int T, int64_t *o0, int64_t *o1) {
+    long long cur = atomic_load(&b->work);
+    for (;;) {
+        if (cur >= N) return 0;
+        int64_t size = T <= 1 ? N : ((N - cur) / (2 * T) + 15) / 16 * 16;
+        size = size < GRAB_MIN ? GRAB_MIN : size;
+        long long next = cur + size < N ? cur + size : N;
+        if (atomic_compare_exchange_weak(&b->work, &cur, next)) {
+            *o0 = cur, *o1 = next;
+            return 1;
+        }
+    }
 }
 
 typedef struct {
@@ -384,11 +413,13 @@ typedef struct {
 } step_t;
 
 /* out[:, o0:o1] = x W^T for pack i of layer weights w (w NULL: the logits' weight): `matmul`, or, in a
- * decode step with q8x, qmatmul_x on x quantized into member t's own buffers */
+ * decode step with q8x (or prompt rows on a gemm.c X4 pack), the int8 kernel on x quantized into member
+ * t's own buffers -- where `fresh` says x is new to this member: its first chunk of a matmul (`grab`) */
 static int mm(step_t *s, int t, const int64_t *w, int i, const float *x, int64_t ldx, int64_t K, int64_t o0,
-              int64_t o1, float *out, int64_t ldo) {
+              int64_t o1, float *out, int64_t ldo, int fresh) {
     int64_t n = s->n;
-    if (!s->q8x || (w && w[W_KINDS] >> (4 + i) & 1)) {
+    int x4 = s->prompt && w && (w[W_KINDS] >> (12 + i) & 1);
+    if (!x4 && (!s->q8x || (w && w[W_KINDS] >> (4 + i) & 1))) {
         if (w) return matmul(w, i, x, n, ldx, K, o0, o1, out, ldo, s->prompt);
         qmatmul(x, n, ldx, K, (int)s->head_kind, s->head, o0, o1, out, ldo);
         return 0;
@@ -396,9 +427,12 @@ static int mm(step_t *s, int t, const int64_t *w, int i, const float *x, int64_t
     int64_t wide = s->hidden > s->inter ? s->hidden : s->inter;
     int8_t *xq = s->xq + (int64_t)t * n * wide;
     float *d = s->xqd + (int64_t)t * 2 * n * (wide / 32), *sq = d + n * (wide / 32);
-    quantize_q8x(x, n, ldx, K, xq, d, sq);
-    qmatmul_x(xq, d, sq, n, K, w ? (int)(w[W_KINDS] >> i & 1) : (int)s->head_kind, w ? (const uint8_t *)w[W_QKV + i] : s->head,
-              o0, o1, out, ldo);
+    if (fresh) quantize_q8x(x, n, ldx, K, xq, d, sq);
+    if (x4)
+        xgemm_q8(xq, d, sq, n, K, (const uint8_t *)w[W_QKV + i], o0, o1, out, ldo);
+    else
+        qmatmul_x(xq, d, sq, n, K, w ? (int)(w[W_KINDS] >> i & 1) : (int)s->head_kind,
+                  w ? (const uint8_t *)w[W_QKV + i] : s->head, o0, o1, out, ldo);
     return 0;
 }
 
@@ -474,8 +508,8 @@ static void front(step_t *s, int64_t l, int t, int T, int *local) {
     const int64_t *w = s->w + l * W_PER_LAYER;
     const float *qn = (const float *)w[W_Q_NORM], *kn = (const float *)w[W_K_NORM], *bias = (const float *)w[W_QKV_BIAS];
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_ATTN_NORM], d, s->eps, x + r * d);
-    share(nqkv, t, T, &o0, &o1);
-    if (mm(s, t, w, 0, x, d, d, o0, o1, s->qkv, nqkv)) atomic_store(&s->failed, 1);
+    for (int fresh = 1; grab(&s->bar, nqkv, T, &o0, &o1); fresh = 0)
+        if (mm(s, t, w, 0, x, d, d, o0, o1, s->qkv, nqkv, fresh)) atomic_store(&s->failed, 1);
     barrier(&s->bar, local, T);
     for (int64_t task = t; task < n * kvh; task += T) {
         int64_t r = task / kvh, g = task % kvh;
@@ -514,24 +548,27 @@ static void back(step_t *s, int64_t l, int t, int T, int *local) {
     float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
     int64_t o0, o1;
     const int64_t *w = s->w + l * W_PER_LAYER;
-    share(d, t, T, &o0, &o1);
-    if (mm(s, t, w, 1, s->attn, qs, qs, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
-    residual(s, o0, o1);
+    for (int fresh = 1; grab(&s->bar, d, T, &o0, &o1); fresh = 0) {
+        if (mm(s, t, w, 1, s->attn, qs, qs, o0, o1, s->tmp, d, fresh)) atomic_store(&s->failed, 1);
+        residual(s, o0, o1);
+    }
     barrier(&s->bar, local, T);
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, (const float *)w[W_MLP_NORM], d, s->eps, x + r * d);
-    share(inter, t, T, &o0, &o1);
-    if (mm(s, t, w, 2, x, d, d, o0, o1, s->gu, 2 * inter) ||
-        mm(s, t, w, 2, x, d, d, inter + o0, inter + o1, s->gu, 2 * inter))
-        atomic_store(&s->failed, 1);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = o0; i < o1; i += 16) {
-            const float *g = s->gu + r * 2 * inter + i;
-            V_STORE(s->act + r * inter + i, V_MUL(silu(V_LOAD(g)), V_LOAD(g + inter)));
-        }
+    for (int fresh = 1; grab(&s->bar, inter, T, &o0, &o1); fresh = 0) {
+        if (mm(s, t, w, 2, x, d, d, o0, o1, s->gu, 2 * inter, fresh) ||
+            mm(s, t, w, 2, x, d, d, inter + o0, inter + o1, s->gu, 2 * inter, 0))
+            atomic_store(&s->failed, 1);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = o0; i < o1; i += 16) {
+                const float *g = s->gu + r * 2 * inter + i;
+                V_STORE(s->act + r * inter + i, V_MUL(silu(V_LOAD(g)), V_LOAD(g + inter)));
+            }
+    }
     barrier(&s->bar, local, T);
-    share(d, t, T, &o0, &o1);
-    if (mm(s, t, w, 3, s->act, inter, inter, o0, o1, s->tmp, d)) atomic_store(&s->failed, 1);
-    residual(s, o0, o1);
+    for (int fresh = 1; grab(&s->bar, d, T, &o0, &o1); fresh = 0) {
+        if (mm(s, t, w, 3, s->act, inter, inter, o0, o1, s->tmp, d, fresh)) atomic_store(&s->failed, 1);
+        residual(s, o0, o1);
+    }
     barrier(&s->bar, local, T);
 }
 
@@ -540,8 +577,8 @@ static void logits(step_t *s, int t, int T) {
     int64_t n = s->n, d = s->hidden, inter = s->inter, o0, o1;
     float *x = s->xs + (int64_t)t * n * (d > inter ? d : inter);
     for (int64_t r = 0; r < n; r++) rmsnorm(s->h + r * d, s->final_norm, d, s->eps, x + r * d);
-    share(s->vocab_pad, t, T, &o0, &o1);
-    mm(s, t, NULL, 0, x, d, d, o0, o1, s->y, s->vocab_pad);
+    for (int fresh = 1; grab(&s->bar, s->vocab_pad, T, &o0, &o1); fresh = 0)
+        mm(s, t, NULL, 0, x, d, d, o0, o1, s->y, s->vocab_pad, fresh);
 }
 
 static void step_task(void *p, int t, int T) {
@@ -660,11 +697,13 @@ static void prefill_task(void *p, int t, int T) {
 
 static void logits_task(void *p, int t, int T) { logits(p, t, T); }
 
-/* floats of scratch `prefill_layer` needs for n rows on `ways` threads (dims as decode_step's) */
+/* floats of scratch `prefill_layer` needs for n rows on `ways` threads (dims as decode_step's): with
+ * each member's normed rows, their int8 copies and scales (`mm` on X4 packs) */
 int64_t prefill_scratch(const int64_t *dims, int ways) {
     int64_t n = dims[0], d = dims[1], qs = dims[2] * dims[4], nqkv = qs + 2 * dims[3] * dims[4], inter = dims[5];
+    int64_t wide = d > inter ? d : inter;
     int T = ways < 1 ? 1 : (ways > MAXT ? MAXT : ways);
-    return n * (nqkv + 2 * qs + 3 * inter + d) + T * n * (d > inter ? d : inter);
+    return n * (nqkv + 2 * qs + 3 * inter + d) + T * n * wide + T * n * wide / 4 + 2 * T * n * (wide / 32);
 }
 
 /* layer `layer` for n prompt rows: h [n][hidden] fp32 in and out (the residual stream), K/V written
@@ -688,7 +727,10 @@ int prefill_layer(const int64_t *dims, float eps, float scale, const int64_t *w,
     s->gu = p, p += 2 * n * s->inter;
     s->act = p, p += n * s->inter;
     s->tmp = p, p += n * s->hidden;
-    s->xs = p;
+    int64_t wide = s->hidden > s->inter ? s->hidden : s->inter;
+    s->xs = p, p += T * n * wide;
+    s->xqd = p, p += 2 * T * n * (wide / 32);
+    s->xq = (int8_t *)p;  /* T n wide bytes: T n wide / 4 floats (wide a multiple of 32) */
     pf.layer = layer, pf.segs = segs, pf.nseg = nseg;
     T = run_team(prefill_task, &pf, T);
     return atomic_load(&pf.failed) || atomic_load(&s->failed) ? -1 : T;

@@ -402,19 +402,11 @@ static inline void xtile(int R, const int8_t *xq, int64_t K, const float *xd, co
 }
 #endif
 
-/* kind 3 of qgemm: rows x (fp32) rounded to int8, then X4 panels [o0, o1) (multiples of 16) */
-static int xgemm(const float *x, int64_t n, int64_t ldx, int64_t K, const uint8_t *q, int64_t o0, int64_t o1,
-                 float *out, int64_t ldo) {
+/* X4 panels [o0, o1) (multiples of 16) times n rows already rounded by `quantize_q8x` (xq [n][K], xd and
+ * xs [n][K / 32]): decode.c's prompt rows quantize once per matmul and take the outputs in chunks */
+void xgemm_q8(const int8_t *xq, const float *xd, const float *xs, int64_t n, int64_t K, const uint8_t *q, int64_t o0,
+              int64_t o1, float *out, int64_t ldo) {
     int64_t G = K / 32;
-    int8_t *xq = aligned_alloc(64, (size_t)((n * K + 63) / 64 * 64));
-    float *xd = malloc((size_t)(2 * n * G) * sizeof(float));
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -1;
-    }
-    float *xs = xd + n * G;
-    quantize_q8x(x, n, ldx, K, xq, xd, xs);
     for (int64_t o = o0; o < o1; o += X4) {
         const uint8_t *p = q + o / X4 * G * X4_BYTES;
         for (int64_t r = 0; r < n; r += XR) {
@@ -434,6 +426,22 @@ static int xgemm(const float *x, int64_t n, int64_t ldx, int64_t K, const uint8_
             }
         }
     }
+}
+
+/* kind 3 of qgemm: rows x (fp32) rounded to int8, then X4 panels [o0, o1) (multiples of 16) */
+static int xgemm(const float *x, int64_t n, int64_t ldx, int64_t K, const uint8_t *q, int64_t o0, int64_t o1,
+                 float *out, int64_t ldo) {
+    int64_t G = K / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((n * K + 63) / 64 * 64));
+    float *xd = malloc((size_t)(2 * n * G) * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    float *xs = xd + n * G;
+    quantize_q8x(x, n, ldx, K, xq, xd, xs);
+    xgemm_q8(xq, xd, xs, n, K, q, o0, o1, out, ldo);
     free(xq);
     free(xd);
     return 0;
