@@ -12,6 +12,7 @@ import torch
 
 from prefixserve.models.arch import ArchConfig, ModelLoadError
 from prefixserve.models.kernels import int4, native
+from prefixserve.models.kernels.threads import usable_cores
 from prefixserve.models.layers import TilePlan
 from prefixserve.models.llama import kernel_choice
 from prefixserve.models.llama.decoder import Decoder
@@ -136,7 +137,7 @@ def load_model(
     if cache_dir is not None:
         return _widened(_load_gguf_cached(path, name, dtype, device, tiles or TilePlan(), decode_kernel, cache_dir))
     gm = GGUFModel(path)
-    decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel)
+    decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel, usable_cores())
     return _widened(LoadedModel(decoder, load_tokenizer_gguf(path, gm.meta.get("general.architecture")), gm.arch,
                                 name, path))
 
@@ -192,7 +193,9 @@ def _load_gguf_cached(
 
     def prepare() -> tuple[Decoder, Tokenizer]:
         gm = GGUFModel(path)
-        return (gguf_decoder(gm, dtype, device, tiles, decode_kernel),
+        # the layers on every usable core (`build_decoder`); the tokenizer after them: beside them on a
+        # thread of its own (transformers' conversion, Python holding the GIL) it made the whole slower
+        return (gguf_decoder(gm, dtype, device, tiles, decode_kernel, usable_cores()),
                 load_tokenizer_gguf(path, gm.meta.get("general.architecture")))
 
     t0 = time.perf_counter()
@@ -204,15 +207,17 @@ def _load_gguf_cached(
     return LoadedModel(decoder, tokenizer, decoder.arch, name, path, identity)
 
 
-def gguf_decoder(gm: GGUFModel, dtype: torch.dtype, device: str, tiles: TilePlan, decode_kernel: str) -> Decoder:
-    """The decoder of an opened GGUF file, with 4-bit decode weights as `decode_kernel` asks."""
-    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, tiles)
+def gguf_decoder(gm: GGUFModel, dtype: torch.dtype, device: str, tiles: TilePlan, decode_kernel: str,
+                 workers: int = 1) -> Decoder:
+    """The decoder of an opened GGUF file, with 4-bit decode weights as `decode_kernel` asks, its layers
+    prepared on `workers` threads (`build_decoder`)."""
+    decoder = build_decoder(gm.arch, gm.tensor, dtype, device, tiles, workers)
     if decode_kernel == "dense":
         return decoder
     if not int4.available(dtype, device):
         if decode_kernel == "int4":
             raise ModelLoadError("decode kernel int4 needs dtype bf16 on the CPU")
         return decoder
-    if attach_int4(decoder, gm.codes) == 0 and decode_kernel == "int4":
+    if attach_int4(decoder, gm.codes, workers) == 0 and decode_kernel == "int4":
         raise ModelLoadError(f"decode kernel int4: no weight in {gm.path} is Q4_0, Q4_1 or Q8_0")
     return decoder
