@@ -8,7 +8,7 @@ import torch
 
 from prefixserve.models import load_model
 from prefixserve.models.llama import kernel_choice
-from prefixserve.models.llama.kernel_choice import KernelChoice, fastest
+from prefixserve.models.llama.kernel_choice import KernelChoice, close_calls, fastest
 
 
 def test_fastest_takes_the_least_time_of_its_group():
@@ -19,6 +19,17 @@ def test_fastest_takes_the_least_time_of_its_group():
     assert fastest({"matmul:q4": 0.1, "matmul:fp32": 0.1}, "matmul") == "q4"  # a tie: the earlier
     with pytest.raises(ValueError):
         fastest({"matmul:q4": 0.1}, "attention")
+
+
+def test_close_calls_are_the_candidates_one_pass_cannot_tell_apart():
+    """A slow moment on a VM made fp32 copies (26.1 ms) beat the 4-bit codes (27.5 ms) on one pass;
+    quietly the codes take 1.5x less. Candidates within CLOSE of the fastest are timed again."""
+    seconds = {"matmul:q4": 0.0275, "matmul:fp32": 0.0261, "matmul:bf16": 0.114, "attention:native": 0.0012}
+    assert close_calls(seconds, "matmul") == ["fp32", "q4"]  # fastest first
+    assert close_calls({"matmul:q4": 0.020, "matmul:fp32": 0.031, "matmul:bf16": 0.12}, "matmul") == []
+    assert close_calls({"matmul:q4": 0.020}, "matmul") == []  # one candidate: nothing to tell apart
+    assert close_calls({"matmul:q4": 0.02, "matmul:fp32": 0.0249, "matmul:bf16": 0.0251}, "matmul") == ["q4", "fp32"]
+    assert close_calls(seconds, "decode") == []
 
 
 def test_describe_names_the_winner_and_what_it_beat_by_how_much():
@@ -58,7 +69,9 @@ def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
     dec = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
     built = dec.kernel_fingerprint()
     choice = kernel_choice.choose(dec, str(tmp_path))
-    assert len(timed) == len(kernel_choice._candidates(dec)) >= 3 and not choice.remembered
+    # each candidate timed, the close calls again (`close_calls`: under load, q4 and fp32 can be one)
+    assert len(set(timed)) == len(kernel_choice._candidates(dec)) >= 3 and not choice.remembered
+    assert len(timed) <= len(set(timed)) * (1 + kernel_choice.RETIMES)
     assert set(choice.seconds) >= {f"matmul:{m}" for m in ("q4", "fp32", "bf16")}
     assert "matmul:q4x8" not in choice.seconds and not dec.prefill_int8  # int8 prompt rows: asked for only
     assert choice.matmul == fastest(choice.seconds, "matmul")
