@@ -215,3 +215,22 @@ def test_self_test_refusing_4bit_decode_moves_q4_prefill_to_checked_fp32_tiles(t
     assert not d.prefill_q4 and d.layers[0].qkv.dtype == torch.float32
     assert "mm=torch.float32" in d.kernel_fingerprint()
     assert checked[0] == [] and checked[-1][:4] == ["qkv", "o_proj", "gate_up", "down"]
+
+
+def test_layers_prepared_on_threads_equal_one_thread(tiny_q4):
+    """`gguf_decoder(..., workers)`: a layer a task on several threads gives the very tensors and 4-bit
+    packs of one thread (a layer's values never depend on which thread made them)."""
+    one = gguf_decoder(GGUFModel(tiny_q4), torch.bfloat16, "cpu", TilePlan(), "auto", 1)
+    three = gguf_decoder(GGUFModel(tiny_q4), torch.bfloat16, "cpu", TilePlan(), "auto", 3)
+    assert one.int4_decode and three.int4_decode and len(one.layers) == len(three.layers) > 1
+    for a, b in zip(one.layers, three.layers, strict=True):
+        for name in ("attn_norm", "qkv", "o_proj", "mlp_norm", "gate_up", "down"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for wa, wb in zip(a.int4, b.int4, strict=True):
+            assert (wa is None) == (wb is None)
+            if wa is not None and wa.native is not None:
+                assert torch.equal(wa.native, wb.native)
+            elif wa is not None:
+                assert all(torch.equal(x, y) for pa, pb in zip(wa.parts, wb.parts, strict=True)
+                           for x, y in zip(pa, pb, strict=True))
+    assert torch.equal(one.embed, three.embed) and torch.equal(one.final_norm, three.final_norm)
