@@ -379,9 +379,8 @@ static int matmul(const int64_t *w, int i, const float *x, int64_t n, int64_t ld
     const uint8_t *pack = (const uint8_t *)w[W_QKV + i];
     if (w[W_KINDS] >> (4 + i) & 1)
         return amx_matmul(x, 1, n, ldx, K, (const uint16_t *)pack, NULL, o0, o1, out, 1, ldo) == 0 ? 0 : -1;
-    if (prompt)
-        return qgemm(x, n, ldx, K, w[W_KINDS] >> (12 + i) & 1 ? 3 : w[W_KINDS] >> (8 + i) & 1 ? 2 : (int)(w[W_KINDS] >> i & 1),
-                     pack, o0, o1, out, ldo);
+    if (prompt)  /* X4 packs never reach here: `mm` quantizes their rows once a matmul */
+        return qgemm(x, n, ldx, K, w[W_KINDS] >> (8 + i) & 1 ? 2 : (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     qmatmul(x, n, ldx, K, (int)(w[W_KINDS] >> i & 1), pack, o0, o1, out, ldo);
     return 0;
 }

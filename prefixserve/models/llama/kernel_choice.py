@@ -114,17 +114,23 @@ class KernelChoice:
 def fastest(seconds: Mapping[str, float], group: str) -> str:
     """The candidate of `group` ("matmul", "attention" or "decode") with the least time; ties go to the earlier
     key. Pure: the choosing logic, tested with given timings."""
-    times = [(v, i, k.split(":", 1)[1]) for i, (k, v) in enumerate(seconds.items()) if k.startswith(group + ":")]
+    times = _ranked(seconds, group)
     if not times:
         raise ValueError(f"no {group} timings")
-    return min(times)[2]
+    return times[0][1]
+
+
+def _ranked(seconds: Mapping[str, float], group: str) -> list[tuple[float, str]]:
+    """(seconds, candidate) of `group`, least time first; ties in the order of `seconds`."""
+    times = sorted((v, i, k.split(":", 1)[1]) for i, (k, v) in enumerate(seconds.items()) if k.startswith(group + ":"))
+    return [(v, name) for v, _, name in times]
 
 
 def close_calls(seconds: Mapping[str, float], group: str, margin: float = CLOSE) -> list[str]:
     """The candidates of `group` whose time is within `margin` x the fastest's, fastest first, where
     there are two or more (else []): the ones one timing pass cannot tell apart. Pure, like `fastest`."""
-    times = sorted((v, i, k.split(":", 1)[1]) for i, (k, v) in enumerate(seconds.items()) if k.startswith(group + ":"))
-    near = [name for v, _, name in times if v <= margin * times[0][0]] if times else []
+    times = _ranked(seconds, group)
+    near = [name for v, name in times if v <= margin * times[0][0]] if times else []
     return near if len(near) > 1 else []
 
 
