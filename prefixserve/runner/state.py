@@ -184,7 +184,7 @@ class SessionState:
             new_cap = min(new_cap, max(need, self.grow_limit))
         new_cap = round_up(new_cap, BLOCK)
         kv = self.kv.new_zeros(*self.kv.shape[:3], new_cap, self.kv.shape[4])
-        kv[:, :, :, : self.num_tokens] = self.kv[:, :, :, : self.num_tokens]
+        kv[:, :, :, : self.num_tokens].copy_(self.kv[:, :, :, : self.num_tokens])  # a method call: the GIL is released
         self.kv = kv
 
     def truncate(self, num_tokens: int, force_zero: bool = False) -> None:
@@ -310,7 +310,7 @@ class KVSnapshot:
             if p.start >= num_tokens:
                 break
             end = min(p.end, num_tokens)
-            state.kv[:, :, :, p.start : end] = p.kv[:, :, :, : end - p.start]
+            state.kv[:, :, :, p.start : end].copy_(p.kv[:, :, :, : end - p.start])
         state.num_tokens = num_tokens
         if num_tokens == self.num_tokens and self._logits is not None:
             state.logits = self._logits.clone()
