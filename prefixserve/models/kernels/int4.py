@@ -41,7 +41,8 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 @dataclass(slots=True)
 class Codes:
-    """One 4-bit matrix: codes [N, K] in 0..15, scale and zero [N, K / GROUP] (fp32)."""
+    """One 4-bit matrix: codes [N, K] in 0..15 (any integer dtype; uint8 from a GGUF file), scale and
+    zero [N, K / GROUP] (fp32)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -85,14 +86,16 @@ def codes_from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> list
     n, k = shape
     if qtype not in _BLOCK_BYTES or k % GROUP:
         return None
+    # codes as uint8 (0..15; a Q8_0 value + 128 before its split): a model's codes were int32, and the
+    # tied 49k x 576 head's Q8_0 split alone then touched ~0.5 GB of new memory at a first start
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GROUP, _BLOCK_BYTES[qtype])
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == "Q8_0":
-        q8 = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int32)) + 128  # [n, k/G, 32]
+        q8 = torch.from_numpy(blocks[..., 2:] ^ np.uint8(0x80))  # int8 v as the byte v + 128, [n, k/G, 32]
         hi, lo = (q8 >> 4).reshape(n, k), (q8 & 15).reshape(n, k)
         return [Codes(hi, 16 * d, torch.zeros_like(d)), Codes(lo, d, 8 * d)]
     off = 4 if qtype == "Q4_1" else 2
-    qs = torch.from_numpy(blocks[..., off:].astype(np.int32))  # [n, k/G, 16]
+    qs = torch.from_numpy(blocks[..., off:].copy())  # [n, k/G, 16] bytes, two codes each
     q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # low nibbles are weights 0..15 of the block
     if qtype == "Q4_1":
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
@@ -148,7 +151,7 @@ def _pack_native(pieces: list[list[Codes]]) -> Int4Weight:
     k = pieces[0][0].q.shape[1]
     g = k // GROUP
     if len(pieces[0]) == 2:  # Q8_0 as codes_from_gguf split it: q = 16 hi + lo - 128, scale d (the low part's)
-        q = torch.cat([16 * p[0].q + p[1].q - 128 for p in pieces]).to(torch.int8)
+        q = torch.cat([16 * p[0].q.to(torch.int16) + p[1].q - 128 for p in pieces]).to(torch.int8)
         scale = torch.cat([p[1].scale for p in pieces])
         q = torch.cat([q, q.new_zeros(pad, k)]).view(torch.uint8).view(-1, 4, g, GROUP)
         codes = q.permute(0, 2, 1, 3).reshape(-1, g, 4 * GROUP)
