@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from prefixserve.cache.shared import SharedTier
     from prefixserve.engine.async_engine import AsyncEngine
     from prefixserve.engine.core import EngineCore
-    from prefixserve.engine.grammar import GrammarCompiler
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest import SelfTestResult
 
@@ -101,12 +100,11 @@ def _build_core(
     from prefixserve.engine.core import EngineCore
 
     device, dtype = _prepare_runtime(model_config, progress)
-    loaded, runner, result, grammars, dtype = _load_self_tested(model_config, device, dtype, progress)
+    loaded, runner, result, dtype = _load_self_tested(model_config, device, dtype, progress)
     disk, shared = _open_tiers(cache_config, loaded, device, progress)
     max_len = _context_length(model_config, loaded.arch.max_position)
     if cache_config.max_bytes == 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
         log.warning("--cache-max-bytes 0 turns caching off: the disk and shared tiers are neither written nor read")
-    compiler = grammars()  # before the tokenizer's copy below: the build reads the tokenizer
     core = EngineCore(
         runner=runner,
         tokenizer=loaded.tokenizer.copy(),  # the engine thread's own: never waits on the server's encodes
@@ -117,7 +115,8 @@ def _build_core(
         exact_reuse=result.ok,
         disk=disk,
         shared=shared,
-        grammars=compiler,
+        # the grammar compiler is built once the server serves (AsyncEngine.build_grammars_soon), not
+        # here: its build holds the GIL (~0.5 s), which made up most of a second start's self-test phase
     )
     model_id = model_config.served_model_name or loaded.name
     log.info("model %s (%s, %s, %s), context %d tokens, %d threads, decode kernel %s", model_id, loaded.arch.arch,
@@ -151,14 +150,12 @@ def _prepare_runtime(model_config: ModelConfig, progress: Progress) -> tuple[str
 
 def _load_self_tested(
     model_config: ModelConfig, device: str, dtype: Any, progress: Progress,
-) -> tuple[Any, ModelRunner, SelfTestResult, Callable[[], GrammarCompiler | None], Any]:
+) -> tuple[Any, ModelRunner, SelfTestResult, Any]:
     """Load the model and run the invariance self-test (its verdict remembered under the prepared-model
-    cache); with --dtype auto, a failed non-fp32 mode is loaded again in fp32 and tested. The grammar
-    compiler is built beside the first self-test (it holds the GIL: never beside a step). Returns
-    (loaded model, runner, self-test result, the compiler's waiter, dtype)."""
+    cache); with --dtype auto, a failed non-fp32 mode is loaded again in fp32 and tested. Returns
+    (loaded model, runner, self-test result, dtype)."""
     import torch
 
-    from prefixserve.engine.grammar import build_beside
     from prefixserve.models import load_model
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest_memo import remembered_self_test
@@ -173,7 +170,6 @@ def _load_self_tested(
                           cache_dir=model_config.cache_dir)
 
     loaded = load(dtype, model_config.decode_kernel)
-    grammars = build_beside(loaded.tokenizer, loaded.arch.vocab_size)  # holds the GIL: beside the self-test, not a step
     memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")
 
     def self_test(runner: ModelRunner, identity: str | None) -> SelfTestResult:
@@ -194,7 +190,7 @@ def _load_self_tested(
     (log.info if result.ok else log.error)("self-test (%.1fs%s): %s", result.seconds,
                                            f", remembered: {result.remembered}" if result.remembered else "",
                                            result.detail)
-    return loaded, runner, result, grammars, dtype
+    return loaded, runner, result, dtype
 
 
 def _open_tiers(cache_config: CacheConfig, loaded: Any, device: str, progress: Progress

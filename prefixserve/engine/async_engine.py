@@ -26,6 +26,7 @@ from prefixserve.types import (
     Delta,
     FinishReason,
     FlushScope,
+    InvalidRequest,
     Request,
     Unavailable,
     Usage,
@@ -199,6 +200,23 @@ class AsyncEngine:
         it); calling again ends whatever came in since. For the bounded shutdown (server/shutdown.py)."""
         self._accepting = False
         self._submit("abort_all", error)
+
+    def build_grammars_soon(self) -> None:
+        """Build the tokenizer's grammar compiler (tools, response_format) on a thread of its own, now
+        that the server serves: its build holds the GIL for ~0.5 s (llguidance's LLTokenizer), which
+        at start-up kept a second start's `/health` waiting that long. A constrained request arriving
+        meanwhile waits for the same build (`EngineCore.grammars`); one whose tokenizer can have no
+        compiler, or whose build failed (logged), gets the error, or builds again, itself."""
+
+        def build() -> None:
+            try:
+                self.core.grammars()
+            except InvalidRequest:
+                pass
+            except Exception:
+                log.exception("building the grammar compiler failed; the first constrained request tries again")
+
+        threading.Thread(target=build, name="prefixserve-grammar-build", daemon=True).start()
 
     def _stop_at_exit(self) -> None:
         self._stop = True

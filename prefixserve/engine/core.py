@@ -57,8 +57,8 @@ class EngineCore:
         shared: SharedTier | None = None,
         grammars: GrammarCompiler | None = None,
     ) -> None:
-        """`grammars`: the tokenizer's grammar compiler when it was built already (build_engine builds it
-        beside the self-test); else the first constrained request builds it (`grammars`). `emit` gets
+        """`grammars`: the tokenizer's grammar compiler when it was built already; else it is built on
+        first use (`grammars`: the server asks for it once it serves). `emit` gets
         every Delta (settable later as `emit`); `exact_reuse` False (the self-test failed): never reuse
         across requests."""
         self.runner = runner
@@ -153,9 +153,10 @@ class EngineCore:
 
     def grammars(self) -> GrammarCompiler:
         """The tokenizer's grammar compiler, built once on first use unless given to the constructor.
-        Thread-safe. Its build holds the GIL throughout (~0.45 s, llguidance's LLTokenizer), so even on a
-        worker thread it would pause the engine thread's Python for as long: build_engine builds it at
-        start, beside the self-test (docs/architecture.md, "Admission")."""
+        Thread-safe: a second caller waits for the build under way. Its build holds the GIL throughout
+        (~0.45 s, llguidance's LLTokenizer), so even on a worker thread it would pause the engine thread's
+        Python for as long: the server has it built as soon as it serves, before any request is likely
+        (AsyncEngine.build_grammars_soon; docs/architecture.md, "Admission")."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.decoder.arch.vocab_size)

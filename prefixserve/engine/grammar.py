@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,32 +130,6 @@ def check_constraint(constraint: Constraint) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar_source(constraint))
     if error:
         raise InvalidRequest(f"the schema cannot be compiled: {error}")
-
-
-def build_beside(tokenizer: object, vocab_size: int) -> Callable[[], GrammarCompiler | None]:
-    """Start building `tokenizer`'s compiler on a thread of its own; the function returned waits for it.
-    Its build holds the GIL throughout (~0.45 s for a 49k vocabulary, llguidance's LLTokenizer), so it
-    runs at start-up beside the self-test, whose torch work releases the GIL, rather than beside a step
-    it would stall. None where there is none (not a transformers tokenizer: the first constrained
-    request then gets the error) or the build failed (logged; the first constrained request retries)."""
-    built: list[GrammarCompiler | None] = [None]
-
-    def build() -> None:
-        try:
-            built[0] = GrammarCompiler.for_tokenizer(tokenizer, vocab_size)
-        except InvalidRequest:
-            pass
-        except Exception:
-            log.exception("building the grammar compiler failed; the first constrained request tries again")
-
-    thread = threading.Thread(target=build, name="prefixserve-grammar-build", daemon=True)
-    thread.start()
-
-    def wait() -> GrammarCompiler | None:
-        thread.join()
-        return built[0]
-
-    return wait
 
 
 class GrammarCompiler:

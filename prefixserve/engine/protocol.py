@@ -129,6 +129,11 @@ class EngineClient(Protocol):
 
     def health(self) -> EngineHealth: ...
 
+    def build_grammars_soon(self) -> None:
+        """Start building what constrained decoding (tools, response_format) needs, off the caller's
+        thread; called once the server serves. Returns at once."""
+        ...
+
     def metrics(self) -> dict[str, float]:
         """Aggregate counters and gauges (no tenant labels): cache_bytes, cache_entries, evictions, ...
         Never waits for a step (the event loop and /metrics scrapes call it)."""

@@ -91,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return serve_app(app, config.host, config.port, launch.s["log_level"], sock, engine=engine,
                          shutdown_timeout_s=config.shutdown_timeout_s, before_serving=loading.stop,
-                         on_ready=lambda: progress.ready(url, engine.model_id))
+                         on_ready=lambda: _ready(progress, url, engine))
     finally:
         loading.stop()
         progress.close()
@@ -174,6 +174,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def _ready(progress: StartupProgress, url: str, engine: EngineClient) -> None:
+    """The server serves: say so, then have the grammar compiler built (its build holds the GIL, so not
+    while `/health` is still waited for: AsyncEngine.build_grammars_soon)."""
+    progress.ready(url, engine.model_id)
+    engine.build_grammars_soon()
 
 
 def serve_app(app: Any, host: str, port: int, log_level: str = "info", sock: socket.socket | None = None, *,

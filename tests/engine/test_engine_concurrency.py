@@ -17,11 +17,12 @@ from prefixserve.cache import PrefixCache
 from prefixserve.cache.entry import FlushResult
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import AsyncEngine, EngineCore
-from prefixserve.engine.grammar import GrammarCompiler, build_beside
+from prefixserve.engine.grammar import GrammarCompiler
 from prefixserve.types import (
     Constraint,
     FinishReason,
     FlushScope,
+    InvalidRequest,
     Namespace,
     Request,
     SamplingParams,
@@ -168,32 +169,57 @@ def test_the_first_constrained_request_and_queueing_never_block_health(monkeypat
 
 
 def test_the_compiler_is_built_on_a_thread_of_its_own() -> None:
-    """build_engine's start-up build (engine/grammar.py build_beside): a compiler, built off the calling
-    thread; None for a tokenizer that can have none (the first constrained request reports it)."""
-    model = load_embedded("int4")[0]
+    """`build_grammars_soon` (called once the server serves): the compiler is built off the calling
+    thread and is the one the core then uses; a constrained request asking meanwhile gets the same
+    build, not a second; a tokenizer that can have no compiler leaves none (the first constrained
+    request reports it)."""
+    engine = make_engine()
     threads: list[str] = []
     real_init = GrammarCompiler.__init__
+    started, release = threading.Event(), threading.Event()
 
     def init(self: GrammarCompiler, hf: Any, vocab_size: int) -> None:
         threads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(60)
         real_init(self, hf, vocab_size)
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(GrammarCompiler, "__init__", init)
-        compiler = build_beside(model.tokenizer, model.arch.vocab_size)()
-    assert isinstance(compiler, GrammarCompiler) and threads == ["prefixserve-grammar-build"]
-    assert compiler.matcher(Constraint("json_object")).allowed().shape == (model.arch.vocab_size,)
-    assert build_beside(object(), model.arch.vocab_size)() is None
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(GrammarCompiler, "__init__", init)
+            engine.build_grammars_soon()
+            assert started.wait(60)
+            asked: list[GrammarCompiler] = []
+            waiter = threading.Thread(target=lambda: asked.append(engine.core.grammars()))
+            waiter.start()  # waits for the build under way
+            release.set()
+            waiter.join(60)
+        assert threads == ["prefixserve-grammar-build"]
+        compiler = engine.core.grammars()
+        assert asked == [compiler]
+        vocab = engine.vocab_size
+        assert compiler.matcher(Constraint("json_object")).allowed().shape == (vocab,)
+    finally:
+        asyncio.run(engine.shutdown())
+    bare = make_engine()
+    try:
+        bare.core.tokenizer = object()  # type: ignore[assignment]  # not a transformers tokenizer
+        bare.build_grammars_soon()
+        with pytest.raises(InvalidRequest):  # the build's own refusal, or this call's
+            bare.core.grammars()
+    finally:
+        asyncio.run(bare.shutdown())
 
 
 def test_a_constrained_requests_grammar_compiles_beside_the_steps(monkeypatch: Any) -> None:
-    """The compiler exists (build_engine builds it at start: its build holds the GIL, so from any thread
-    it would pause the engine); the request's grammar compiles on a worker thread. Here the compile is
+    """The compiler exists (the server builds it once it serves, AsyncEngine.build_grammars_soon: its build
+    holds the GIL, so from any thread it would pause the engine); the request's grammar compiles on a
+    worker thread. Here the compile is
     held until another tenant's stream has had 5 more tokens: compiled inside the engine's turn, that
     stream would stop. Counted in steps, that stream gets exactly one token in every step from its
     first to its last, before, while and after the constrained request joins the batch."""
     engine = make_engine()
-    engine.core.grammars()  # as build_engine does at start
+    engine.core.grammars()  # as the server has once it serves
     real_matcher = GrammarCompiler.matcher
     release = threading.Event()
     compiled_on: list[str] = []

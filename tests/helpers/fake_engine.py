@@ -160,6 +160,9 @@ class FakeEngine:
     def health(self) -> EngineHealth:
         return EngineHealth(True, True, "fake engine", self._running, 0, fingerprint="fp_fake")
 
+    def build_grammars_soon(self) -> None:
+        """Nothing to build: the fake engine constrains nothing."""
+
     def metrics(self) -> dict[str, float]:
         entries = sum(len(v) for v in self._cache.values())
         return {
