@@ -223,17 +223,24 @@ def _check_threads(dec: Decoder, kinds: set[str], base: int, many: int, seed: in
     return passed, "; ".join(why)
 
 
+def _random_kv(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Normal values / 2 in `dtype`, drawn in it: no fp32 tensor of the whole (a first start's self-test
+    made ~150 MB of new memory for two of these, and new pages cost 4-10 ms a MB on the VMs this runs
+    on: docs/architecture.md, "Start-up")."""
+    return torch.randn(shape, generator=g, dtype=dtype).div_(2)
+
+
 def _check_decode_threads(dec: Decoder, plan: native_decode.DecodePlan, base: int, many: int,
                           g: torch.Generator) -> str:
     """'' when the native decode step (decode.c) gives the same logits and K/V on both counts, for
     three sessions at once (keys past a 16-key block's end, and not)."""
     a = dec.arch
     starts = [5, 40, 301]
-    kv = (torch.randn(len(starts), a.num_layers, 2, a.num_kv_heads, 320, a.head_dim, generator=g) / 2).to(dec.dtype)
+    kv = _random_kv((len(starts), a.num_layers, 2, a.num_kv_heads, 320, a.head_dim), dec.dtype, g)
     tokens = torch.randint(0, a.vocab_size, (len(starts),), generator=g)
     runs = []
     for ways in (base, many):
-        mine = kv.clone()
+        mine = kv.clone() if ways == base else kv  # the second run may write the original
         segments = [Segment(s, 1, mine[i], decode=True) for i, s in enumerate(starts)]
         runs.append((native_decode.decode_rows(dec, plan, tokens, segments, ways), mine))
     (la, ka), (lb, kb) = runs
@@ -248,11 +255,11 @@ def _check_prefill_threads(dec: Decoder, plan: native_decode.DecodePlan, base: i
     for two sessions' prompt rows at once (one long enough that its attention is split by rows)."""
     a = dec.arch
     parts = [(0, 37), (600, 40)]  # (start, rows)
-    kv = (torch.randn(len(parts), a.num_layers, 2, a.num_kv_heads, 640, a.head_dim, generator=g) / 2).to(dec.dtype)
+    kv = _random_kv((len(parts), a.num_layers, 2, a.num_kv_heads, 640, a.head_dim), dec.dtype, g)
     tokens = torch.randint(0, a.vocab_size, (sum(n for _, n in parts),), generator=g)
     runs = []
     for ways in (base, many):
-        mine = kv.clone()
+        mine = kv.clone() if ways == base else kv  # the second run may write the original
         segments = [Segment(start, n, mine[i]) for i, (start, n) in enumerate(parts)]
         rows = native_decode.prefill_start(dec, plan, tokens, segments)
         if rows is None:
