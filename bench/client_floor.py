@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from client import BenchClient
 from servers import free_port
 
