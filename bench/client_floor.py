@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 from client import BenchClient
@@ -98,5 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     raise SystemExit(main())
