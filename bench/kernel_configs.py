@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     # default's own decode activations named explicitly) are one configuration timed twice: their best
     # is pooled, so that two runs of the same code are not read as one being slower than the other
     kernels = {name: kernels_of(verdicts[name]) for name in best}
-    for name in best:
-        same = [n for n in best if kernels[n] and kernels[n] == kernels[name]]
-        best[name] = (min(best[n][0] for n in same), max(best[n][1] for n in same))
+    twins = {name: [n for n in best if n != name and kernels[name] and kernels[n] == kernels[name]] for name in best}
+    best = {name: (min(best[n][0] for n in (name, *twins[name])), max(best[n][1] for n in (name, *twins[name])))
+            for name in best}
     d_ttft, d_tps = best["default"]
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
     isa = {k: v for k, v in os.environ.items()
@@ -102,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             "|---|--:|--:|--:|--:|---|---|"]
     for name, (ttft, tps) in best.items():
         exact = "exact" if "exact:" in verdicts[name] and "NOT exact" not in verdicts[name] else "NOT exact"
-        twin = next((n for n in best if n != name and kernels[n] and kernels[n] == kernels[name]), None)
-        rows.append(f"| {name} | {ttft} | {ttft / d_ttft:.2f}x | {tps:.1f} | {tps / d_tps:.2f}x | {exact} | "
-                    f"{f'the same as {twin} (best of both)' if twin else 'its own'} |")
+        same = f"the same as {', '.join(twins[name])} (best of them)" if twins[name] else "its own"
+        rows.append(f"| {name} | {ttft} | {ttft / d_ttft:.2f}x | {tps:.1f} | {tps / d_tps:.2f}x | {exact} | {same} |")
     exact_names = [n for n in best if "NOT exact" not in verdicts[n] and n != ROUNDED]
     fastest_ttft = min(best[n][0] for n in exact_names)
     fastest_tps = max(best[n][1] for n in exact_names)
