@@ -88,6 +88,10 @@ class Endings:
     def __init__(self) -> None:
         self._by_task: weakref.WeakKeyDictionary[asyncio.Task[object], InFlight] = weakref.WeakKeyDictionary()
 
+    def __len__(self) -> int:
+        """How many requests the app is serving now."""
+        return len(self._by_task)
+
     def end(self, task: asyncio.Task[object]) -> bool:
         """Take over the request `task` serves before the shutdown cancels it: start writing its last
         word now, drop what the app writes later. False: it can get none (a plain body partly written,
