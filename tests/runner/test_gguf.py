@@ -119,3 +119,28 @@ def test_unsupported_type_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf.quants, "_type_traits", {})  # the block code loaders/gguf.dequantize runs itself
     with pytest.raises(ModelLoadError, match="Q8_0"):
         gm.tensor("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_small_pages_turns_numpys_huge_pages_off_while_it_lasts_and_restores_them() -> None:
+    """`small_pages` (around every model load): numpy's huge-page advice is off inside, as it was after,
+    an exception included."""
+    from numpy._core.multiarray import _set_madvise_hugepage
+
+    from prefixserve.models.loaders.gguf import small_pages
+
+    def current() -> bool:
+        was = _set_madvise_hugepage(True)
+        _set_madvise_hugepage(was)
+        return bool(was)
+
+    for before in (True, False):
+        _set_madvise_hugepage(before)
+        try:
+            with small_pages():
+                assert current() is False
+            assert current() is before
+            with pytest.raises(KeyError), small_pages():
+                raise KeyError("x")
+            assert current() is before
+        finally:
+            _set_madvise_hugepage(True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -277,6 +279,26 @@ class GGUFModel:
         )
 
 
+@contextlib.contextmanager
+def small_pages() -> Iterator[None]:
+    """numpy's new large arrays on ordinary pages while a model is prepared (numpy asks the kernel for
+    huge pages beyond 4 MB). On the 2-core Zen 3 VM, new memory after a minute idle: 30 MB numpy arrays
+    on huge pages 5.5-15 ms a MB, on ordinary ones 0.5-0.6 (torch's tensors 0.3); the embedded model's
+    `build_decoder` 1.18-1.55 -> 0.45-0.50 s and `attach_int4` 0.65-0.72 -> 0.44-0.47 s (docs/
+    architecture.md, "Start-up"). A no-op where numpy has no such switch. Process-wide while it lasts:
+    start-up only, where nothing else makes large numpy arrays."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage  # type: ignore[attr-defined]
+    except ImportError:
+        yield
+        return
+    was = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(was)
+
+
 DEQUANT_ROWS = 1024  # rows dequantised per numpy call (the gguf package takes 16: ~12k calls per model)
 
 
@@ -294,7 +316,7 @@ def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
     rows = data.reshape(-1, data.shape[-1])
     shape = gguf.quants.quant_shape_from_byte_shape(data.shape, qtype)
     # into one array made here (not parts, then their concatenation): new memory is slow on the VMs
-    # this runs on (first touch ~4-10 ms a MB), and the embedded model's embedding is 113 MB of fp32
+    # this runs on (`small_pages`), and the embedded model's embedding is 113 MB of fp32
     out = np.empty((len(rows), shape[-1]), dtype=np.float32)
     for i in range(0, len(rows), DEQUANT_ROWS):
         out[i : i + DEQUANT_ROWS] = traits.dequantize_rows(rows[i : i + DEQUANT_ROWS])

@@ -17,7 +17,7 @@ from prefixserve.models.layers import TilePlan
 from prefixserve.models.llama import kernel_choice
 from prefixserve.models.llama.decoder import Decoder
 from prefixserve.models.loaders import prepared
-from prefixserve.models.loaders.gguf import GGUFModel
+from prefixserve.models.loaders.gguf import GGUFModel, small_pages
 from prefixserve.models.loaders.llama_weights import attach_int4, build_decoder
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_folder, load_tokenizer_gguf
 
@@ -102,6 +102,14 @@ def load_model(
     decode_kernel: "int4" gives decode rows the GGUF's 4-bit weights (models/kernels/int4.py), "dense"
     never, "auto" where the file and runtime allow it (Q4_0/Q4_1/Q8_0 weights, bf16 on the CPU).
     cache_dir: the prepared-model cache (models/loaders/prepared.py) for a Llama-family GGUF; None = none."""
+    with small_pages():  # the preparation's numpy temporaries (models/loaders/gguf.py)
+        return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir)
+
+
+def _load_model(
+    path: str | None, dtype: torch.dtype, device: str, tiles: TilePlan | None, decode_kernel: str,
+    cache_dir: str | None,
+) -> LoadedModel:
     if path is None:
         path = embedded_model_path()
         name = EMBEDDED_NAME
