@@ -124,20 +124,19 @@ class Call(threading.Thread):
                 for line in self.raw.decode().splitlines() if line.startswith("data: ")]
 
 
-def wait_for(condition: Callable[[], bool]) -> None:
+def wait_for(condition: Callable[[], bool], why: Callable[[], object] = lambda: None) -> None:
+    """Until `condition()`, 10 s at most (then fail, saying `why()`)."""
     deadline = time.monotonic() + 10
     while not condition():
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, why()
         time.sleep(0.005)
 
 
 def start(srv: Served, engine: FakeEngine, calls: list[Call]) -> list[Call]:
     for c in calls:
         c.start()
-    deadline = time.monotonic() + 10
-    while len(engine.requests) < len(calls) or not all(c.first.is_set() for c in calls if c.body.get("stream")):
-        assert time.monotonic() < deadline, (len(engine.requests), [c.raw for c in calls])
-        time.sleep(0.01)
+    wait_for(lambda: len(engine.requests) >= len(calls) and all(c.first.is_set() for c in calls if c.body.get("stream")),
+             lambda: (len(engine.requests), [c.raw for c in calls]))
     return calls
 
 
