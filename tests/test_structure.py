@@ -26,6 +26,9 @@ LIBRARY_PRIVATES = {
     "_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu",  # torch's int4 ops (torch.ops.aten)
     # argparse lists a parser's flags only through these (tools/flags_doc.py renders --help as a table)
     "_actions", "_SubParsersAction", "_choices_actions", "_AppendAction", "_HelpAction",
+    # numpy's one switch for its huge-page advice after import (documented in numpy/_core/_add_newdocs.py;
+    # NUMPY_MADVISE_HUGEPAGE only acts at import): models/loaders/gguf.py `small_pages`
+    "_set_madvise_hugepage",
 }
 
 
