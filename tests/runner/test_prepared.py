@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import pytest
 import torch
 
 from prefixserve.models import load_model
+from prefixserve.models.arch import ModelLoadError
 from prefixserve.models.layers import TilePlan
 from prefixserve.models.llama.decoder import Decoder
 from prefixserve.models.loaders import prepared
 from prefixserve.models.loaders.load import LoadedModel, embedded_model_path
+from prefixserve.models.tokenizer import Tokenizer
 from prefixserve.runner import ModelRunner, StepItem
 
 MESSAGES = [
@@ -152,3 +155,60 @@ def test_entries_are_bounded_least_recent_out(
         os.utime(entry / "manifest.json", (1000 + i, 1000 + i))
         names.append(entry.name)
     assert sorted(os.listdir(tmp_path)) == sorted(names[-prepared.MAX_ENTRIES:])
+
+
+def test_the_tokenizer_is_made_while_the_tensors_are_written(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first start converts the tokenizer on its own thread while another writes the tensors: each
+    side here waits until the other has begun, which only a write beside the conversion lets end."""
+    fresh, _ = fresh_and_cached
+    writing, converting = threading.Event(), threading.Event()
+
+    def tensors(decoder: Decoder) -> dict[str, torch.Tensor]:
+        writing.set()
+        assert converting.wait(20), "the tokenizer was not being made while the tensors were written"
+        return {"w": torch.zeros(4)}
+
+    def make_tokenizer() -> Tokenizer:
+        converting.set()
+        assert writing.wait(20), "the tensors were not being written while the tokenizer was made"
+        return fresh.tokenizer
+
+    monkeypatch.setattr(prepared, "_tensors", tensors)
+    parts = _parts()
+    assert prepared.save_while(str(tmp_path), parts, fresh.decoder, make_tokenizer) is fresh.tokenizer
+    entry = tmp_path / prepared.entry_key(parts)
+    assert sorted(os.listdir(tmp_path)) == [entry.name]  # complete, renamed into place, no temporary left
+    assert {"manifest.json", "tensors.pt", "tokenizer"} <= set(os.listdir(entry))
+
+
+def test_a_tokenizer_that_fails_leaves_no_entry_and_no_writer(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh, _ = fresh_and_cached
+    monkeypatch.setattr(prepared, "_tensors", lambda decoder: {"w": torch.zeros(1 << 20)})
+
+    def make_tokenizer() -> Tokenizer:
+        raise ModelLoadError("the vocabulary does not parse")
+
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        prepared.save_while(str(tmp_path), _parts(), fresh.decoder, make_tokenizer)
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name == "prefixserve-prepared-save"]
+
+
+def test_a_write_that_fails_is_logged_and_the_model_still_loads(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fresh, _ = fresh_and_cached
+
+    def tensors(decoder: Decoder) -> dict[str, torch.Tensor]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepared, "_tensors", tensors)
+    with caplog.at_level(logging.WARNING, logger="prefixserve.models"):
+        assert prepared.save_while(str(tmp_path), _parts(), fresh.decoder, lambda: fresh.tokenizer) is fresh.tokenizer
+    assert "cannot store" in caplog.text and "No space left" in caplog.text
+    assert os.listdir(tmp_path) == []

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,12 +200,13 @@ def _load_gguf_cached(
     identity = prepared.file_identity(path)
     parts = prepared.key_parts(identity, dtype, device, use_int4)
 
-    def prepare() -> tuple[Decoder, Tokenizer]:
+    def prepare() -> tuple[Decoder, Callable[[], Tokenizer]]:
         gm = GGUFModel(path)
-        # the layers on every usable core (`build_decoder`); the tokenizer after them: beside them on a
-        # thread of its own (transformers' conversion, Python holding the GIL) it made the whole slower
+        # the layers on every usable core (`build_decoder`); the tokenizer after them, while the layers
+        # are stored (`prepared.save_while`): beside the layers on a thread of its own (transformers'
+        # conversion, Python holding the GIL) it made the whole slower
         return (gguf_decoder(gm, dtype, device, tiles, decode_kernel, usable_cores()),
-                load_tokenizer_gguf(path, gm.meta.get("general.architecture")))
+                lambda: load_tokenizer_gguf(path, gm.meta.get("general.architecture")))
 
     t0 = time.perf_counter()
     decoder, tokenizer, hit = prepared.cached_or_prepare(cache_dir, parts, tiles, prepare)
