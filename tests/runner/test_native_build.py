@@ -31,6 +31,35 @@ def test_prebuild_then_library_in_a_fresh_process(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == [name]  # the objects and the temporary directory are gone
 
 
+BUILD_NOW = [sys.executable, "-m", "prefixserve.models.kernels.native_build"]
+
+
+def test_the_install_time_build_is_the_file_serve_loads(tmp_path: Path) -> None:
+    """`python -m prefixserve.models.kernels.native_build` (make install runs it beside pip) leaves the
+    very file a server's `library()` loads, so a first start compiles nothing; run again, it finds it."""
+    if native.library() is None:
+        pytest.skip("no native kernels on this machine")
+    env = {**os.environ, "PREFIXSERVE_NATIVE_DIR": str(tmp_path)}
+    first = subprocess.run(BUILD_NOW, env=env, check=False, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    built = tmp_path / native.build_name()
+    assert sorted(os.listdir(tmp_path)) == [built.name] and str(built) in first.stdout
+    made = built.stat().st_mtime_ns
+    again = subprocess.run(BUILD_NOW, env=env, check=False, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and str(built) in again.stdout
+    assert built.stat().st_mtime_ns == made  # found, not built again
+
+
+@pytest.mark.parametrize(("setting", "says"), [({"CC": "/nonexistent/cc"}, "build failed"),
+                                               ({"PREFIXSERVE_NATIVE": "0"}, "not built"),
+                                               ({"PREFIXSERVE_NATIVE_ISA": "vax"}, "not built")])
+def test_the_install_time_build_never_fails_the_install(tmp_path: Path, setting: dict[str, str], says: str) -> None:
+    env = {**os.environ, "PREFIXSERVE_NATIVE_DIR": str(tmp_path), **setting}
+    out = subprocess.run(BUILD_NOW, env=env, check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and says in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".so") or n.startswith(".build-")]
+
+
 def test_a_failed_build_is_reported_once_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from prefixserve.models.kernels import native_build
 

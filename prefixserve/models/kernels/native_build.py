@@ -9,7 +9,8 @@ kernels (`prefixserve serve` does before importing torch), so the compiler runs 
 the process imports torch and parses the model; `native.library()` then waits for that build
 (`built_path`) instead of starting its own. The result is the same file either way: its name is a
 digest of the source, the flags, the compiler's version and the CPU's flags (`digest()`).
-`cancel()` stops a build in flight (its compilers killed, nothing left behind) for a process that
+`python -m prefixserve.models.kernels.native_build` builds them at once (`main`: `make install` runs it
+beside pip). `cancel()` stops a build in flight (its compilers killed, nothing left behind) for a process that
 ends before it needs the kernels: a SIGTERM during a first start's imports.
 """
 
@@ -199,3 +200,34 @@ def cancel() -> None:
 def _quietly_built(cc: str) -> None:
     with contextlib.suppress(OSError, subprocess.SubprocessError):  # `library()` logs a failure when it asks
         built_path(cc)
+
+
+def main() -> int:
+    """`python -m prefixserve.models.kernels.native_build`: build (or find) the kernels now, for the
+    ISA level and directory this environment gives (PREFIXSERVE_NATIVE_ISA, PREFIXSERVE_NATIVE_DIR,
+    XDG_CACHE_HOME). `make install` runs it beside pip, whose installs leave a core idle, so a first
+    `prefixserve serve` finds the kernels built, as llama.cpp's server is built before it runs. Says
+    what it did on stdout and returns 0 even where nothing builds (the server then logs why and runs
+    the torch formulations): an install never fails for the kernels."""
+    cc = compiler()
+    try:
+        level = isa.isa()
+    except ValueError as e:
+        print(f"native kernels: not built ({e})")
+        return 0
+    if os.environ.get("PREFIXSERVE_NATIVE", "1") == "0" or cc is None:
+        print("native kernels: not built (" + ("PREFIXSERVE_NATIVE=0" if cc is not None else "no C compiler") + ")")
+        return 0
+    t0 = time.monotonic()
+    try:
+        path = built_path(cc)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        print(f"native kernels: build failed ({str(detail)[-800:]}); prefixserve serve will say so and use torch")
+        return 0
+    print(f"native kernels ({level}): {path} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
