@@ -60,13 +60,21 @@ def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXSERVE_DENSE_MATMUL", "bf16")
     timed: list[str] = []
     real = kernel_choice._time_prefill
+    whole: list = []  # the decoder being chosen for
 
     def spy(dec, give_up_after):
         timed.append(dec.matmuls)
+        # timed on the first PROBE_LAYERS layers as a decoder of their own: a candidate's copies (fp32:
+        # 4 bytes a weight) are made for those only, the other layers keep their bf16 weights meanwhile
+        n = kernel_choice.PROBE_LAYERS
+        assert dec is not whole[-1] and dec.arch.num_layers == len(dec.layers) == n
+        assert all(a is b for a, b in zip(dec.layers, whole[-1].layers[:n], strict=True))
+        assert all(w.dtype == torch.bfloat16 for lw in whole[-1].layers[n:] for w in (lw.qkv, lw.gate_up))
         return real(dec, give_up_after)
 
     monkeypatch.setattr(kernel_choice, "_time_prefill", spy)
     dec = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
+    whole.append(dec)
     built = dec.kernel_fingerprint()
     choice = kernel_choice.choose(dec, str(tmp_path))
     # each candidate timed, the close calls again (`close_calls`: under load, q4 and fp32 can be one)
@@ -91,6 +99,7 @@ def test_choice_configures_the_decoder_and_is_remembered(tmp_path, monkeypatch):
     # set, not timed: the decode activations asked for, whatever the timing said
     monkeypatch.setenv("PREFIXSERVE_DECODE_ACTIVATIONS", "fp32" if choice.decode == "int8" else "int8")
     third = load_model(None, torch.bfloat16, "cpu", decode_kernel="int4").decoder
+    whole.append(third)
     kernel_choice.choose(third, str(tmp_path / "other"))
     assert third.decode_int8 == (choice.decode != "int8")
 

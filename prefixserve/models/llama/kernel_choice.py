@@ -39,6 +39,8 @@ prefill matmuls without timing, PREFIXSERVE_DECODE_ACTIVATIONS (auto, fp32, int8
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -235,29 +237,45 @@ def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
     matmuls and attention. The verdict stays one per machine: the count is the machine's, not the
     process's settings."""
     seconds: dict[str, float] = {}
-    base = _Saved(dec)
+    probe = _probe(dec)
+    base = _Saved(probe)
     threads, allowed = KERNEL_THREADS.threads, set(KERNEL_THREADS.allowed)
     KERNEL_THREADS.configure(usable_cores())
     KERNEL_THREADS.allow({"int4", "dense", "attention"})
     try:
         for name in candidates:
-            apply(dec, name)
+            apply(probe, name)
             best = min(seconds.values(), default=math.inf)
-            seconds[f"matmul:{name}"] = _time_prefill(dec, give_up_after=1.5 * best)
-            if name in ("fp32", "bf16") and dec.native_attention:
+            seconds[f"matmul:{name}"] = _time_prefill(probe, give_up_after=1.5 * best)
+            if name in ("fp32", "bf16") and probe.native_attention:
                 for how in ("native", "torch"):
-                    seconds.setdefault(f"attention:{how}", _time_attention(dec, how))
-            base.restore(dec)
+                    seconds.setdefault(f"attention:{how}", _time_attention(probe, how))
+            base.restore(probe)
         for r in range(RETIMES):  # close calls again, the order turned each round; each keeps its best
             near = close_calls(seconds, "matmul")
             for name in (near if r % 2 else near[::-1]):
-                apply(dec, name)
-                seconds[f"matmul:{name}"] = min(seconds[f"matmul:{name}"], _time_prefill(dec, give_up_after=math.inf))
-                base.restore(dec)
+                apply(probe, name)
+                seconds[f"matmul:{name}"] = min(seconds[f"matmul:{name}"], _time_prefill(probe, give_up_after=math.inf))
+                base.restore(probe)
     finally:
         KERNEL_THREADS.configure(threads)
         KERNEL_THREADS.allow(allowed)
     return seconds
+
+
+def _probe(dec: Decoder) -> Decoder:
+    """The decoder's first PROBE_LAYERS layers as a decoder of their own, the same layer objects and
+    tensors: all `_time_prefill` runs. A candidate that copies or packs weights (fp32 copies: 4 bytes
+    a weight; native panels) then does so for these layers only, not for the whole model, which it
+    would drop again at once: for the embedded model's 30 layers, 425 MB of fp32 copies against 57.
+    On the 2-core Zen 3 VM new memory costs up to ~10 ms a MB the first time (docs/architecture.md,
+    "Start-up"), and the whole choice took 2-5 s of a first start, against ~1 s in a quiet hour."""
+    probe = copy.copy(dec)
+    n = min(PROBE_LAYERS, dec.arch.num_layers)
+    probe.arch = dataclasses.replace(dec.arch, num_layers=n)
+    probe.layers = dec.layers[:n]
+    probe.reset_native_plan()  # its own plan, for its own layers
+    return probe
 
 
 def _time_decodes(dec: Decoder) -> dict[str, float]:
