@@ -6,27 +6,25 @@ an Intel Xeon with AMX the bf16 tiles win, on an AMD Zen 3 (AVX2 + FMA only) tor
 ~4x slower than the 4-bit codes or fp32 copies (docs/exactness.md, "Every CPU class"). So the loader
 times each candidate here, on the machine that runs it, and keeps the fastest:
 
-- prefill matmuls (`MATMULS`): "amx" (bf16 on AMX tiles, amx.c, where the CPU has them), "q4" (the
-  GGUF's 4-bit codes, gemm.c, where every layer has native packs), "fp32" (fp32 copies of the
-  weights through torch), "bf16" (torch's bf16 matmul). Not timed: "q4x8", the same codes times the
-  rows rounded to int8 per 32 inputs (gemm.c X4, llama.cpp's arithmetic; ~1.4x faster prefill on
-  AVX2), which only PREFIXSERVE_DENSE_MATMUL=q4x8 selects: it is exact for the cache like the others,
-  but its rounding moves the model's outputs ~2.5x further from the fp32-activation prefill than any
-  candidate above (mean KL over 16 chat prompts: 3.3e-3 against 1.3e-3 for bf16 tiles and 1.4e-3
-  for fp32 copies on an AMD Zen 4; docs/architecture.md, "Prompt rows on int8 activations"), so it
-  is an operator's trade of precision for speed, never the default. Each is timed on the first `PROBE_LAYERS`
-  layers of a `PROBE_TOKENS`-token forward after `PROBE_START` cached keys, norms, RoPE and attention
-  included, since "amx" and "q4" also run a layer in one native call, with the server's team of
-  threads for the big calls (`_time_candidates`).
-- attention of the torch-tiled modes ("fp32", "bf16"): the native kernel (attention.c) or torch's
-  fixed blocks, timed on one prefill tile over `ATTENTION_KEYS` keys. ("amx" and "q4" attend inside
-  their native layer call.)
-- the 4-bit decode step's activations (`DECODES`, where the model decodes on its 4-bit weights):
-  "fp32" (qmatmul.c's fp32 dot products) or "int8" (rows rounded to int8 per 32 inputs, integer dot
-  products: `qmatmul_x`), timed on `DECODE_STEPS` steps of one session at `DECODE_POSITION`. Decoded
-  tokens' KV is never cached, so either keeps cached prefixes exact; the two give different logits
-  (int8 is llama.cpp's kind of arithmetic), and the kernel fingerprint names the one in force
-  (`decode=int4-i8`).
+- prefill matmuls (`MATMULS`): "amx" (bf16 on AMX tiles, amx.c, where the CPU has them), "q4" (the GGUF's
+  4-bit codes, gemm.c, where every layer has native packs), "fp32" (fp32 copies of the weights through
+  torch), "bf16" (torch's bf16 matmul). Not timed: "q4x8", the same codes times the rows rounded to int8 per
+  32 inputs (gemm.c X4, llama.cpp's arithmetic; ~1.4x faster prefill on AVX2), which only
+  PREFIXSERVE_DENSE_MATMUL=q4x8 selects: it is exact for the cache like the others, but its rounding moves
+  the model's outputs ~2.5x further from the fp32-activation prefill than any candidate above (mean KL over
+  16 chat prompts: 3.3e-3 against 1.3e-3 for bf16 tiles and 1.4e-3 for fp32 copies on an AMD Zen 4;
+  docs/architecture.md, "Prompt rows on int8 activations"), so it is an operator's trade of precision for
+  speed, never the default. Each is timed on the first `PROBE_LAYERS` layers of a `PROBE_TOKENS`-token
+  forward after `PROBE_START` cached keys, norms, RoPE and attention included, since "amx" and "q4" also run
+  a layer in one native call, with the server's team of threads for the big calls (`_time_candidates`).
+- attention of the torch-tiled modes ("fp32", "bf16"): the native kernel (attention.c) or torch's fixed
+  blocks, timed on one prefill tile over `ATTENTION_KEYS` keys. ("amx" and "q4" attend inside their native
+  layer call.)
+- the 4-bit decode step's activations (`DECODES`, where the model decodes on its 4-bit weights): "fp32"
+  (qmatmul.c's fp32 dot products) or "int8" (rows rounded to int8 per 32 inputs, integer dot products:
+  `qmatmul_x`), timed on `DECODE_STEPS` steps of one session at `DECODE_POSITION`. Decoded tokens' KV is
+  never cached, so either keeps cached prefixes exact; the two give different logits (int8 is llama.cpp's
+  kind of arithmetic), and the kernel fingerprint names the one in force (`decode=int4-i8`).
 
 The prefill candidates are timed with the team of threads a server gives its big calls (every usable
 core; the decode step on one thread), and the verdict is remembered in
@@ -72,12 +70,11 @@ ATTENTION_KEYS = 512
 DECODES = ("fp32", "int8")
 DECODE_STEPS = 8
 DECODE_POSITION = 256
-# 3: prefill probes after PROBE_START keys, on the serving thread count; 4: close calls timed again
-FORMAT = 4
+FORMAT = 4  # 3: prefill probes after PROBE_START keys, on the serving thread count; 4: close calls timed again
 # a prefill candidate within this factor of the fastest is timed again (`close_calls`), RETIMES rounds at
-# most: on the 2-core Zen 3, whose speed drifts by +-30% within minutes, one pass in a slow moment
-# chose fp32 copies (26.1 ms) over the 4-bit codes (27.5 ms), which quietly take 1.5x less on the
-# probe and served a 2,000-token prompt 1.9x faster (bench/results/avx2/kernels.md, "decode fp32")
+# most: on the 2-core Zen 3, whose speed drifts by +-30% within minutes, one pass in a slow moment chose
+# fp32 copies (26.1 ms) over the 4-bit codes (27.5 ms), which quietly take 1.5x less on the probe and served
+# a 2,000-token prompt 1.9x faster (bench/results/avx2/kernels.md, "decode fp32")
 CLOSE = 1.25
 RETIMES = 2
 MAX_RECORDS = 32
@@ -229,13 +226,12 @@ def _candidates(dec: Decoder) -> list[str]:
 
 
 def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
-    """Each candidate's prefill probe on the thread count a server runs its big calls on (every usable
-    core: models/kernels/threads.py), torch itself on one thread as a server runs it. On one thread
-    for all, an AMD Zen 4 chose torch's bf16 tiles over the 4-bit codes (1.38x at 64 fresh rows),
-    yet served a 2,000-token prompt 1.23x slower with them than with the codes (bench/kernel_configs.py,
-    2026-12-06): a native layer call runs all of itself on the team, a torch-tiled layer only its
-    matmuls and attention. The verdict stays one per machine: the count is the machine's, not the
-    process's settings."""
+    """Each candidate's prefill probe on the thread count a server runs its big calls on (every usable core:
+    models/kernels/threads.py), torch itself on one thread as a server runs it. On one thread for all, an
+    AMD Zen 4 chose torch's bf16 tiles over the 4-bit codes (1.38x at 64 fresh rows), yet served a
+    2,000-token prompt 1.23x slower with them than with the codes (bench/kernel_configs.py, 2026-12-06): a
+    native layer call runs all of itself on the team, a torch-tiled layer only its matmuls and attention.
+    The verdict stays one per machine: the count is the machine's, not the process's settings."""
     seconds: dict[str, float] = {}
     probe = _probe(dec)
     base = _Saved(probe)
@@ -264,16 +260,12 @@ def _time_candidates(dec: Decoder, candidates: list[str]) -> dict[str, float]:
 
 
 def _probe(dec: Decoder) -> Decoder:
-    """The decoder's first PROBE_LAYERS layers as a decoder of their own, the same layer objects and
-    tensors: all `_time_prefill` runs. A candidate that copies or packs weights (fp32 copies: 4 bytes
-    a weight; native panels) then does so for these layers only, not for the whole model, which it
-    would drop again at once: for the embedded model's 30 layers, 425 MB of fp32 copies against 57.
-    On the 2-core Zen 3 VM new memory costs up to ~10 ms a MB the first time (docs/architecture.md,
-    "Start-up"), and the whole choice took 2-5 s of a first start, against ~1 s in a quiet hour."""
+    """The first PROBE_LAYERS layers (the same objects) as a decoder of their own: all `_time_prefill`
+    runs, so a candidate's copies of weights are made for them only (the embedded model's fp32 copies:
+    57 MB, not 425 of new memory, which is slow on these VMs: docs/architecture.md, "Start-up")."""
     probe = copy.copy(dec)
     n = min(PROBE_LAYERS, dec.arch.num_layers)
-    probe.arch = dataclasses.replace(dec.arch, num_layers=n)
-    probe.layers = dec.layers[:n]
+    probe.arch, probe.layers = dataclasses.replace(dec.arch, num_layers=n), dec.layers[:n]
     probe.reset_native_plan()  # its own plan, for its own layers
     return probe
 
@@ -355,15 +347,15 @@ class _Saved:
     """A decoder's state as built, to return to after timing a candidate."""
 
     def __init__(self, dec: Decoder) -> None:
-        self.fields = {name: getattr(dec, name) for name in (
-            "prefill_q4", "prefill_int8", "matmul_dtype", "amx", "native_attention", "int4_rows", "lm_head")}
+        names = ("prefill_q4", "prefill_int8", "matmul_dtype", "amx", "native_attention", "int4_rows", "lm_head")
+        self.fields = {name: getattr(dec, name) for name in names}
         self.layers = [(lw.qkv, lw.qkv_bias, lw.o_proj, lw.gate_up, lw.down) for lw in dec.layers]
 
     def restore(self, dec: Decoder) -> None:
-        for lw, (qkv, qkv_bias, o_proj, gate_up, down) in zip(dec.layers, self.layers, strict=True):
+        for lw, saved in zip(dec.layers, self.layers, strict=True):
             for w in lw.dense:
                 amx_tiles.unpack(w)
-            lw.qkv, lw.qkv_bias, lw.o_proj, lw.gate_up, lw.down = qkv, qkv_bias, o_proj, gate_up, down
+            lw.qkv, lw.qkv_bias, lw.o_proj, lw.gate_up, lw.down = saved
         amx_tiles.unpack(dec.lm_head)
         for name, value in self.fields.items():
             setattr(dec, name, value)
