@@ -182,12 +182,20 @@ def prebuild() -> None:
     Not a daemon: a process that exits meanwhile (SIGTERM while importing) waits for the build to end;
     as a daemon thread its exit hung."""
     cc = compiler()
+    if cc is not None and unbuildable() is None:
+        threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build").start()
+
+
+def unbuildable() -> str | None:
+    """Why no kernels are built in this environment (PREFIXSERVE_NATIVE=0, an ISA level this module
+    does not know or this CPU cannot run, no compiler), else None: what `prebuild` and `main` ask."""
+    if os.environ.get("PREFIXSERVE_NATIVE", "1") == "0":
+        return "PREFIXSERVE_NATIVE=0"
     try:
         isa.isa()
-    except ValueError:
-        return
-    if os.environ.get("PREFIXSERVE_NATIVE", "1") != "0" and cc is not None:
-        threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build").start()
+    except ValueError as e:
+        return str(e)
+    return "no C compiler" if compiler() is None else None
 
 
 def cancel() -> None:
@@ -209,14 +217,9 @@ def main() -> int:
     `prefixserve serve` finds the kernels built, as llama.cpp's server is built before it runs. Says
     what it did on stdout and returns 0 even where nothing builds (the server then logs why and runs
     the torch formulations): an install never fails for the kernels."""
-    cc = compiler()
-    try:
-        level = isa.isa()
-    except ValueError as e:
-        print(f"native kernels: not built ({e})")
-        return 0
-    if os.environ.get("PREFIXSERVE_NATIVE", "1") == "0" or cc is None:
-        print("native kernels: not built (" + ("PREFIXSERVE_NATIVE=0" if cc is not None else "no C compiler") + ")")
+    cc, why = compiler(), unbuildable()
+    if why is not None or cc is None:  # (no compiler is one of `unbuildable`'s reasons)
+        print(f"native kernels: not built ({why})")
         return 0
     t0 = time.monotonic()
     try:
@@ -225,7 +228,7 @@ def main() -> int:
         detail = getattr(e, "stderr", None) or e
         print(f"native kernels: build failed ({str(detail)[-800:]}); prefixserve serve will say so and use torch")
         return 0
-    print(f"native kernels ({level}): {path} ({time.monotonic() - t0:.1f} s)")
+    print(f"native kernels ({isa.isa()}): {path} ({time.monotonic() - t0:.1f} s)")
     return 0
 
 
