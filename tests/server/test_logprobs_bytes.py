@@ -94,3 +94,25 @@ def test_control_tokens_are_named_and_echoed(tok: Tokenizer) -> None:
     assert echoed["tokens"] == ["Hi", "<|endoftext|>", "By", "e"] and echoed["text_offset"] == [0, 2, 15, 17]
     assert r.completion(entries(ids, []), 0)["text_offset"] == [0, 2, 2, 4]  # generated: no text of its own
 
+
+
+def test_streamed_offsets_are_the_tokens_own_whatever_text_each_chunk_carries(tok: Tokenizer) -> None:
+    """A streamed choice's chunks need not carry their tokens' text: text that may begin a stop string
+    is held back and goes out with a later token, and a stop cuts a token's text short. Its offsets
+    are still the whole response's (tokens' own characters, an emoji's split bytes counted once
+    whole), chunk after chunk: they were the characters sent so far."""
+    from prefixserve.server.openai.shapes import ChoiceOutput, CompletionShape
+    from prefixserve.types import Usage
+
+    ids = tok.encode(TEXT)
+    lps = entries(ids, [])
+    whole = CompletionShape(id="c", model="m", logprobs=LogprobRenderer(tok)).full(
+        [ChoiceOutput(0, TEXT, "stop", lps)], Usage(1, len(ids), 0))["choices"][0]["logprobs"]["text_offset"]
+    shape = CompletionShape(id="c", model="m", logprobs=LogprobRenderer(tok))
+    held = [TEXT[:1], "", TEXT[1:5], ""] + [""] * (len(ids) - 5) + [TEXT[5:9]]  # held back, then let go at once
+    streamed = []
+    for k, (text, lp) in enumerate(zip(held, lps, strict=True)):
+        for chunk in shape.chunks(0, text, (lp,), "stop" if k == len(ids) - 1 else None):
+            streamed += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert streamed == whole
+    assert whole == [o for o in whole if o <= len(TEXT)] and whole == sorted(whole)

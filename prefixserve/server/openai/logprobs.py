@@ -58,8 +58,9 @@ class LogprobRenderer:
     def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
 
-    def completion(self, entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
-        """`text_offset`: where the first entry's text starts in the choice's text."""
+    def completion(self, entries: Sequence[TokenLogprob], text_offset: int | TextOffsets) -> dict[str, Any]:
+        """`text_offset`: where the first entry's text starts in the choice's text, or a streamed
+        choice's `TextOffsets`, which goes on from its last chunk's tokens."""
         return self._completion([e.token_id for e in entries], entries, text_offset)
 
     def prompt(self, first_id: int, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -69,16 +70,16 @@ class LogprobRenderer:
         return {"tokens": rest["tokens"], "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": rest["text_offset"]}
 
-    def _completion(self, ids: list[int], entries: Sequence[TokenLogprob], text_offset: int,
+    def offsets(self, start: int) -> TextOffsets:
+        """A completions choice's text offsets from `start`, for its generated tokens."""
+        return TextOffsets(start, self.raw)
+
+    def _completion(self, ids: list[int], entries: Sequence[TokenLogprob], text_offset: int | TextOffsets,
                     in_text: Callable[[int], bytes] | None = None) -> dict[str, Any]:
         """`ids`: the tokens, `entries` the logprobs of its last len(entries) ones; `in_text`: a token's
         bytes in the choice's text (default: its raw bytes, none for a control token)."""
-        in_text = in_text or self.raw
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # holds an unfinished character back
-        offsets: list[int] = []
-        for i in ids:
-            offsets.append(text_offset)
-            text_offset += len(decoder.decode(in_text(i)))
+        at = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset, in_text or self.raw)
+        offsets = at.of(ids)
         tops = []
         for e in entries:
             top = {self.token(i): v for i, v in e.top}
@@ -94,3 +95,22 @@ class LogprobRenderer:
 
     def _item(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.named(token_id))}
+
+
+class TextOffsets:
+    """Where each token's text starts in a completions choice's text, token after token (an unfinished
+    UTF-8 character held back until its last byte). A streamed choice keeps one across its chunks, so
+    its offsets are the tokens' own, as the whole response's are: a chunk's text need not be its
+    tokens' (text that may begin a stop string is held back, `stop` cuts a token's text short)."""
+
+    def __init__(self, start: int, in_text: Callable[[int], bytes]) -> None:
+        self.next = start
+        self._in_text = in_text
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def of(self, ids: Sequence[int]) -> list[int]:
+        out = []
+        for i in ids:
+            out.append(self.next)
+            self.next += len(self._decoder.decode(self._in_text(i)))
+        return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixserve.server.errors import error_body
-from prefixserve.server.openai.logprobs import LogprobRenderer
+from prefixserve.server.openai.logprobs import LogprobRenderer, TextOffsets
 from prefixserve.server.openai.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from prefixserve.server.openai.tools import ParsedReply, ToolCallStream, ToolSetup, parse_tool_calls
 from prefixserve.server.openai.tools import finish_reason as replied
@@ -115,7 +115,7 @@ class CompletionShape(Shape):
     chunk_object = "text_completion"
     echo: tuple[tuple[str, int], ...] = ()
     per_prompt: int = 1
-    _offsets: dict[int, int] = field(default_factory=dict)  # streaming: text_offset per choice so far
+    _offsets: dict[int, TextOffsets] = field(default_factory=dict)  # streaming: each choice's text offsets so far
 
     def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
         body = [{"index": c.index, "text": self._prefix(c.index) + c.text,
@@ -139,8 +139,6 @@ class CompletionShape(Shape):
         if text or logprobs or finish_reason is not None:
             out.append(self._chunk({"index": index, "text": text, "logprobs": self._logprobs(index, logprobs),
                                     "finish_reason": finish_reason}))
-            if self.logprobs is not None:  # the next chunk's offsets start after this one's characters
-                self._offsets[index] = self._offsets.get(index, len(self._prefix(index))) + len(text)
         return out
 
     def _prefix(self, index: int) -> str:
@@ -154,7 +152,9 @@ class CompletionShape(Shape):
                   prompt: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        out = self.logprobs.completion(entries, self._offsets.get(index, len(self._prefix(index))))
+        if index not in self._offsets:  # the generated tokens' text starts after the echoed prompt's
+            self._offsets[index] = self.logprobs.offsets(len(self._prefix(index)))
+        out = self.logprobs.completion(entries, self._offsets[index])
         if prompt is not None and self.echo:
             out = {k: v + out[k] for k, v in self.logprobs.prompt(self._echoed(index)[1], prompt).items()}
         return out
