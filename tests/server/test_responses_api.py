@@ -146,6 +146,7 @@ def test_bad_input_names_the_responses_field(client: TestClient, body: dict[str,
     r = client.post(R, json=body, headers=auth())
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    assert "messages" not in r.json()["error"]["message"]  # the message names the Responses field too
 
 
 @pytest.mark.parametrize(
