@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -42,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        from prefixserve.server.run import run_serve
-
-        return run_serve(args)
+        return _serve(args)
     if args.command == "generate":
         from prefixserve.cli.generate import run_generate
 
@@ -57,3 +56,19 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_usage(args)
 
+
+def _serve(args: argparse.Namespace) -> int:
+    """`prefixserve serve`: the native kernels' build starts first (on a CPU), so the compilers have the
+    other core while the server's own modules (0.6 s: FastAPI, pydantic) and torch are imported; a
+    start-up that ends early (a bad setting, a port in use: exit status 2) stops them on its way out."""
+    from prefixserve.models.kernels import native_build
+    from prefixserve.server.settings import resolve
+
+    if resolve(args, "device", os.environ) != "cuda":
+        native_build.prebuild()
+    try:
+        from prefixserve.server.run import run_serve
+
+        return run_serve(args)
+    finally:
+        native_build.cancel()  # long built where the server served; else its compilers stop now

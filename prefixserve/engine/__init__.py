@@ -49,9 +49,10 @@ def build_engine(
 ) -> AsyncEngine:
     """Load the model, run the invariance self-test, and start the engine thread.
 
-    `progress` is called (on the engine's thread) as each long phase begins: "native_kernels",
-    "loading_model", "self_test" (the two again for --dtype auto's fp32 retry), "cache_tiers" (where
-    a disk or shared tier is configured). `cache_listener` is told of the RAM cache's entries (the KV
+    `progress` is called (on the engine's thread) as each long phase begins: "loading_model" (within
+    it "native_kernels" then "loading_model" again where a first start's kernels still compile when
+    the loader needs them), "self_test" (the two again for --dtype auto's fp32 retry), "cache_tiers"
+    (where a disk or shared tier is configured). `cache_listener` is told of the RAM cache's entries (the KV
     events, docs/gateway.md); the caller owns and closes it. Raises models.ModelLoadError (with a
     clear message) when the model cannot be loaded."""
     from prefixserve.engine.async_engine import AsyncEngine
@@ -99,7 +100,7 @@ def _build_core(
     from prefixserve.cache import PrefixCache
     from prefixserve.engine.core import EngineCore
 
-    device, dtype = _prepare_runtime(model_config, progress)
+    device, dtype = _prepare_runtime(model_config)
     loaded, runner, result, dtype = _load_self_tested(model_config, device, dtype, progress)
     disk, shared = _open_tiers(cache_config, loaded, device, progress)
     max_len = _context_length(model_config, loaded.arch.max_position)
@@ -128,24 +129,18 @@ def _build_core(
     return core, model_id, loaded.tokenizer, result.detail, loaded.arch.vocab_size
 
 
-def _prepare_runtime(model_config: ModelConfig, progress: Progress) -> tuple[str, Any]:
-    """Set torch's and the decode kernels' threads, resolve the device and dtype, and build or load
-    the native kernels on a CPU (once per source, compiler and CPU; the load and the self-test use
-    them). Returns (device, dtype)."""
+def _prepare_runtime(model_config: ModelConfig) -> tuple[str, Any]:
+    """Set torch's and the decode kernels' threads, resolve the device and dtype. Returns (device,
+    dtype). The native kernels (on a CPU) are built or found as the model loads: `load_model` waits for
+    a first start's build only where it first needs them."""
     import torch
 
     from prefixserve.models import resolve_device, resolve_dtype
-    from prefixserve.models.kernels import native
     from prefixserve.models.kernels.threads import KERNEL_THREADS, usable_cores
 
     torch.set_num_threads(model_config.num_threads or default_num_threads())
     KERNEL_THREADS.configure(model_config.decode_threads or usable_cores())
-    device = resolve_device(model_config.device)
-    dtype = resolve_dtype(model_config.dtype)
-    if device == "cpu":
-        progress("native_kernels", f"native kernels: building or loading them ({native.build_dir()})")
-        native.library()
-    return device, dtype
+    return resolve_device(model_config.device), resolve_dtype(model_config.dtype)
 
 
 def _load_self_tested(
@@ -157,6 +152,7 @@ def _load_self_tested(
     import torch
 
     from prefixserve.models import load_model
+    from prefixserve.models.kernels import native
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest_memo import remembered_self_test
 
@@ -165,9 +161,15 @@ def _load_self_tested(
                   else "without the prepared-model cache")
 
     def load(dtype: torch.dtype, decode_kernel: str) -> Any:
-        progress("loading_model", f"loading {model_name} ({str(dtype).removeprefix('torch.')}, {device}) {cache_note}")
+        loading = f"loading {model_name} ({str(dtype).removeprefix('torch.')}, {device}) {cache_note}"
+
+        def waiting(begins: bool) -> None:  # for the native kernels' build, where a first start's is still running
+            progress(*(("native_kernels", f"native kernels: waiting for their build ({native.build_dir()})")
+                       if begins else ("loading_model", loading)))
+
+        progress("loading_model", loading)
         return load_model(model_config.path, dtype, device, decode_kernel=decode_kernel,
-                          cache_dir=model_config.cache_dir)
+                          cache_dir=model_config.cache_dir, waiting=waiting)
 
     loaded = load(dtype, model_config.decode_kernel)
     memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")

@@ -122,7 +122,8 @@ def load_engine(launch: Launch, progress: StartupProgress, abandon: Callable[[],
     (config.py's ConfigError, one line on stderr), 1 for a model that cannot load."""
     try:
         if launch.model_config.device != "cuda":
-            # the compiler on the other core while torch is imported (a SIGTERM meanwhile cancels it)
+            # the compiler on the other core while torch is imported and the model prepared (a SIGTERM
+            # meanwhile cancels it); `prefixserve serve` has started it already (cli/__init__.py)
             native_build.prebuild()
         progress.phase("importing", "importing the runtime (torch, transformers)")
         # every module build_engine imports on this thread, torch among them, while a SIGTERM only

@@ -1,6 +1,9 @@
 """`prefixserve serve`'s start-up, told as it happens: on the console and to /health.
 
-    launch ─▶ importing ─▶ native_kernels ─▶ loading_model ─▶ self_test ─▶ [cache_tiers] ─▶ starting_http ─▶ ready
+    launch ─▶ importing ─▶ loading_model [─▶ native_kernels ─▶ loading_model] ─▶ self_test ─▶ [cache_tiers]
+           ─▶ starting_http ─▶ ready
+
+(`native_kernels`: a first start whose kernels still compile when the model loader first needs them.)
 
 `StartupProgress` holds the phase the start-up is in. Each `phase()` prints one line on stdout
 (stderr keeps a failed start's one-line error alone): the time since the process was launched, what

@@ -72,8 +72,9 @@ class Int4Weight:
 
 
 def native_available(dtype: torch.dtype, device: str) -> bool:
-    """Whether 4-bit weights are packed for qmatmul.c (PREFIXSERVE_NATIVE=0 or no compiler: torch's kernel)."""
-    return dtype == torch.bfloat16 and device == "cpu" and native.library() is not None
+    """Whether 4-bit weights are packed for qmatmul.c (PREFIXSERVE_NATIVE=0 or no compiler: torch's kernel);
+    while a first start's build is in flight, whether they are expected to build (`native.expected`)."""
+    return dtype == torch.bfloat16 and device == "cpu" and native.expected()
 
 
 def available(dtype: torch.dtype, device: str) -> bool:

@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # torch is imported where a kernel is called: the build start
 
 # the build's identity and target (isa.py, native_build.py) are offered here with the calls
 __all__ = ["SPLIT_MIN_WORK", "amx_linear", "amx_pack", "amx_ready", "attention", "attention_supported", "build_dir",
-           "build_name", "cpu_info", "digest", "effective_flags", "executable_levels", "isa", "kernel_name", "library",
-           "qgemm", "qmatmul", "qmatmul_int8", "qpanel_pack", "qx4_pack"]
+           "build_name", "cpu_info", "digest", "effective_flags", "executable_levels", "expected", "isa", "kernel_name",
+           "library", "qgemm", "qmatmul", "qmatmul_int8", "qpanel_pack", "qx4_pack"]
 
 log = logging.getLogger("prefixserve.models")
 
@@ -110,6 +110,17 @@ def library() -> ctypes.CDLL | None:
         log.info("native kernels: %s (ISA level %s)", os.path.basename(path), level)
         _lib, _path = lib, path
         return lib
+
+
+def expected() -> bool:
+    """Whether `library()` will give the kernels, without waiting for a build still in flight: its
+    answer once known, else True while `prebuild`'s thread compiles (a first start). The model
+    loader prepares the model meanwhile, on that expectation, and asks `library()` once it needs the
+    kernels; where the build then failed it prepares the model again without them
+    (models/loaders/load.py)."""
+    if not _tried and native_build.building():
+        return True
+    return library() is not None
 
 
 def build_name() -> str:
@@ -256,10 +267,12 @@ def kernel_name(native: bool) -> str:
 
 
 def attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether attention.c takes this model's attention (on a first start, while the kernels still
+    build: whether they are expected to, `expected`)."""
     import torch
 
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
-            and library() is not None)
+            and expected())
 
 
 SPLIT_MIN_WORK = 16384  # rows x keys below which a call is not split between threads

@@ -5,9 +5,10 @@ It owns what a build is made of: the C sources beside this file (`SOURCES`, `HEA
 the build's identity (`digest()`).
 
 `prebuild()` starts the build on a thread as soon as a process knows it will want the
-kernels (`prefixserve serve` does before importing torch), so the compiler runs on another core while
-the process imports torch and parses the model; `native.library()` then waits for that build
-(`built_path`) instead of starting its own. The result is the same file either way: its name is a
+kernels (`prefixserve serve` does first of all), so the compilers run on the other core while the
+process imports its modules and torch and prepares the model (as for kernels that build:
+`building()`, `native.expected()`); `native.library()` then waits for that build (`built_path`)
+instead of starting its own. The result is the same file either way: its name is a
 digest of the source, the flags, the compiler's version and the CPU's flags (`digest()`).
 `python -m prefixserve.models.kernels.native_build` builds them at once (`main`: `make install` runs it
 beside pip). `cancel()` stops a build in flight (its compilers killed, nothing left behind) for a process that
@@ -40,6 +41,7 @@ NICE_INCREMENT = 10  # the compilers' priority below this process's
 _build_lock = threading.Lock()  # held while the kernels compile: `built_path` waits for `prebuild`'s build
 _built: str | BaseException | None = None  # the built file's path, or why the build failed
 _cancelled = threading.Event()  # `cancel()`: a build in flight stops, a later one does not start
+_prebuilding = threading.Event()  # `prebuild()` started its thread (once a process)
 _digest: str | None = None
 
 
@@ -101,8 +103,34 @@ def _build(cc: str) -> str:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                _gone(proc.pid)
         shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+def _gone(group: int, timeout: float = 5.0) -> None:
+    """Wait (at most `timeout` s) until no process of this process group is alive: the driver's wait
+    returns while its compiler proper and assembler (cc1, as), killed with it, may still be exiting,
+    slowly on a busy machine. Zombies count as gone; without /proc it returns at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        except OSError:
+            return
+        alive = False
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.01)
 
 
 def _finished(proc: subprocess.Popen[str], timeout: float) -> str:
@@ -180,10 +208,17 @@ def prebuild() -> None:
     while this process imports torch and loads the model; `library()` waits for it. Nothing where
     `library()` would not build (PREFIXSERVE_NATIVE=0, an ISA level this CPU cannot run, no compiler).
     Not a daemon: a process that exits meanwhile (SIGTERM while importing) waits for the build to end;
-    as a daemon thread its exit hung."""
+    as a daemon thread its exit hung. Once a process: a later call does nothing."""
     cc = compiler()
-    if cc is not None and unbuildable() is None:
+    if cc is not None and not _prebuilding.is_set() and unbuildable() is None:
+        _prebuilding.set()
         threading.Thread(target=_quietly_built, args=(cc,), name="prefixserve-native-build").start()
+
+
+def building() -> bool:
+    """Whether `prebuild`'s thread is still building (or finding) the kernels: `native.expected()`
+    lets the model be prepared meanwhile."""
+    return _prebuilding.is_set() and _built is None and not _cancelled.is_set()
 
 
 def unbuildable() -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.models.arch import ArchConfig, ModelLoadError
-from prefixserve.models.kernels import int4, native
+from prefixserve.models.kernels import int4, native, native_build
 from prefixserve.models.kernels.threads import usable_cores
 from prefixserve.models.layers import TilePlan
 from prefixserve.models.llama import kernel_choice
@@ -96,20 +96,57 @@ def resolve_device(device: str) -> str:
 
 def load_model(
     path: str | None, dtype: torch.dtype, device: str = "cpu", tiles: TilePlan | None = None,
-    decode_kernel: str = "auto", cache_dir: str | None = None,
+    decode_kernel: str = "auto", cache_dir: str | None = None, waiting: Callable[[bool], None] | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or an HF folder. Raises ModelLoadError (never a bare traceback) on bad input.
 
     decode_kernel: "int4" gives decode rows the GGUF's 4-bit weights (models/kernels/int4.py), "dense"
     never, "auto" where the file and runtime allow it (Q4_0/Q4_1/Q8_0 weights, bf16 on the CPU).
-    cache_dir: the prepared-model cache (models/loaders/prepared.py) for a Llama-family GGUF; None = none."""
+    cache_dir: the prepared-model cache (models/loaders/prepared.py) for a Llama-family GGUF; None = none.
+
+    On a first start the native kernels may still be compiling (`native_build.prebuild`): the model is
+    read and prepared meanwhile as for kernels that build (`native.expected`), and the build is waited
+    for only where the kernels are first needed (`_kernels_built`: `waiting(True)` as that wait begins,
+    `waiting(False)` as it ends). Where the build failed, the model is prepared again without them."""
+    known = device != "cpu" or not native_build.building()
     with small_pages():  # the preparation's numpy temporaries (models/loaders/gguf.py)
-        return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir)
+        try:
+            return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir, _Kernels(known, waiting))
+        except _KernelsFailed:
+            log.warning("native kernels: their build failed while the model was prepared for them; preparing it "
+                        "again for the torch formulations")
+            return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir, _Kernels(True, None))
+
+
+class _KernelsFailed(Exception):
+    """A model prepared for native kernels whose build, still running when it began, then failed."""
+
+
+@dataclass(slots=True)
+class _Kernels:
+    """Whether the native kernels were known when the load began, and whom to tell of a wait for them."""
+    known: bool
+    waiting: Callable[[bool], None] | None
+
+    def built(self) -> None:
+        """Before a decoder calls its kernels: wait for a build still in flight; _KernelsFailed where it
+        failed (the decoder was made expecting it to build)."""
+        if self.known:
+            return
+        tell = self.waiting if native_build.building() else None
+        if tell is not None:
+            tell(True)
+        ok = native.library() is not None
+        if tell is not None:
+            tell(False)
+        self.known = True
+        if not ok:
+            raise _KernelsFailed()
 
 
 def _load_model(
     path: str | None, dtype: torch.dtype, device: str, tiles: TilePlan | None, decode_kernel: str,
-    cache_dir: str | None,
+    cache_dir: str | None, kernels: _Kernels,
 ) -> LoadedModel:
     if path is None:
         path = embedded_model_path()
@@ -127,10 +164,11 @@ def _load_model(
         if hybrid_folder.is_hybrid_type(hybrid_folder.folder_model_type(path)):  # docs/hybrid.md
             hy = hybrid_folder.HybridHFModel(path)
             hdec = hybrid_folder.build_hybrid(hy, dtype, device, tiles or TilePlan())
+            kernels.built()
             return LoadedModel(hdec, load_tokenizer_folder(path), hy.arch, name, path)  # type: ignore[arg-type]
         hf = HFModel(path)
         decoder = build_decoder(hf.arch, hf.tensor, dtype, device, tiles or TilePlan())
-        return _widened(LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path))
+        return _widened(LoadedModel(decoder, load_tokenizer_folder(path), hf.arch, name, path), kernels)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path not found: {path}")
     from prefixserve.models.loaders import hybrid_gguf
@@ -142,20 +180,25 @@ def _load_model(
 
         hg = hybrid_gguf.HybridGGUFModel(path)  # docs/hybrid.md
         hdec = build_hybrid(hg, dtype, device, tiles or TilePlan())  # type: ignore[arg-type]
-        return LoadedModel(hdec, load_tokenizer_gguf(path), hg.arch, name, path)  # type: ignore[arg-type]
+        tokenizer = load_tokenizer_gguf(path)
+        kernels.built()
+        return LoadedModel(hdec, tokenizer, hg.arch, name, path)  # type: ignore[arg-type]
     if cache_dir is not None:
-        return _widened(_load_gguf_cached(path, name, dtype, device, tiles or TilePlan(), decode_kernel, cache_dir))
+        return _widened(_load_gguf_cached(path, name, dtype, device, tiles or TilePlan(), decode_kernel, cache_dir),
+                        kernels)
     gm = GGUFModel(path)
     decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel, usable_cores())
     return _widened(LoadedModel(decoder, load_tokenizer_gguf(path, gm.meta.get("general.architecture")), gm.arch,
-                                name, path))
+                                name, path), kernels)
 
 
-def _widened(m: LoadedModel) -> LoadedModel:
+def _widened(m: LoadedModel, kernels: _Kernels) -> LoadedModel:
     """A Llama-family decoder configured for this CPU, after any prepared-model cache has stored the
     bf16 weights: on a CPU with PREFIXSERVE_DENSE_MATMUL=auto, the fastest of its exact prefill
     kernels, timed here (models/llama/kernel_choice.py); set by that variable otherwise: the 4-bit codes or
-    fp32 copies where `fp32_matmuls_wanted`, else AMX tiles where the CPU has them."""
+    fp32 copies where `fp32_matmuls_wanted`, else AMX tiles where the CPU has them. The first of it that
+    needs the native kernels waits for a first start's build (`_Kernels.built`)."""
+    kernels.built()
     dec = m.decoder
     choice = _dense_matmul_choice()
     if choice == "auto" and dec.dtype == torch.bfloat16 and dec.device.type == "cpu" and _timeable(dec):
