@@ -10,10 +10,10 @@ Engine thread only.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prefixserve.cache import Hit, Miss, PrefixCache
 from prefixserve.cache.disk import DiskTier
-from prefixserve.cache.shared import SharedTier
 from prefixserve.config import EngineConfig
 from prefixserve.engine.protocol import TokenizerLike
 from prefixserve.engine.refill import TurnRefills
@@ -21,6 +21,9 @@ from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner import ModelRunner, SessionState
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import Namespace, lcp
+
+if TYPE_CHECKING:  # only a shared tier's server imports it (and redis with it, 0.2 s)
+    from prefixserve.cache.shared import SharedTier
 
 MIN_BOUNDARY_TOKENS = 16  # shorter common prefixes (a chat template's header) are not worth an entry
 KEEP_MIN_TOKENS = 64  # an abandoned prefill is cached only when it computed at least this many tokens

@@ -6,8 +6,9 @@ a flush's Redis part (`flush_shared`), which runs beside the engine on a worker 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prefixserve.cache import PrefixCache
-from prefixserve.cache.shared import SharedTier
 from prefixserve.engine.cache_writer import CacheWriter
 from prefixserve.engine.outputs import OutputProcessor
 from prefixserve.engine.protocol import FlushReport, TierFlush
@@ -15,6 +16,9 @@ from prefixserve.engine.scheduler import Scheduler
 from prefixserve.engine.session import Phase, Snapshot
 from prefixserve.engine.step_record import StepPhase, StepRecord, stuck
 from prefixserve.types import FlushScope
+
+if TYPE_CHECKING:  # only a shared tier's server imports it (and redis with it, 0.2 s)
+    from prefixserve.cache.shared import SharedTier
 
 
 def flush(cache: PrefixCache[Snapshot], scheduler: Scheduler, writer: CacheWriter, scope: FlushScope) -> FlushReport:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from typing import TYPE_CHECKING
 
 from prefixserve.cache import Hit, PrefixCache
 from prefixserve.cache.disk import DiskTier
-from prefixserve.cache.shared import SharedTier
 from prefixserve.config import EngineConfig, session_tokens
 from prefixserve.engine import control
 from prefixserve.engine.admission import Room
@@ -33,6 +33,9 @@ from prefixserve.engine.step_record import StepPhase, StepRecord, guarded
 from prefixserve.runner import ModelRunner, StepItem, make_generator
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import Constraint, FinishReason, FlushScope, Request
+
+if TYPE_CHECKING:  # only a shared tier's server imports it (and redis with it, 0.2 s)
+    from prefixserve.cache.shared import SharedTier
 
 log = logging.getLogger("prefixserve.engine")
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING
 
 from prefixserve.cache import PrefixCache
 from prefixserve.cache.disk import DiskTier
-from prefixserve.cache.shared import SharedTier
 from prefixserve.cache.tier import Loaded, LoadFailed
 from prefixserve.engine.session import Session, Snapshot
 from prefixserve.runner.pieces import PieceStore
 from prefixserve.types import FlushScope
+
+if TYPE_CHECKING:  # only a shared tier's server imports it (and redis with it, 0.2 s)
+    from prefixserve.cache.shared import SharedTier
 
 log = logging.getLogger("prefixserve.engine")
 
