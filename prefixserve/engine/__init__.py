@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from prefixserve.cache.shared import SharedTier
     from prefixserve.engine.async_engine import AsyncEngine
     from prefixserve.engine.core import EngineCore
+    from prefixserve.models.loaders.prepared import Later
     from prefixserve.runner import ModelRunner
     from prefixserve.runner.selftest import SelfTestResult
 
@@ -46,6 +47,7 @@ Progress = Callable[[str, str], None]  # (phase, what it is doing): server/start
 def build_engine(
     model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig,
     progress: Progress | None = None, cache_listener: CacheListener | None = None,
+    later: Later | None = None,
 ) -> AsyncEngine:
     """Load the model, run the invariance self-test, and start the engine thread.
 
@@ -53,15 +55,17 @@ def build_engine(
     it "native_kernels" then "loading_model" again where a first start's kernels still compile when
     the loader needs them), "self_test" (the two again for --dtype auto's fp32 retry), "cache_tiers"
     (where a disk or shared tier is configured). `cache_listener` is told of the RAM cache's entries (the KV
-    events, docs/gateway.md); the caller owns and closes it. Raises models.ModelLoadError (with a
-    clear message) when the model cannot be loaded."""
+    events, docs/gateway.md); the caller owns and closes it. `later`: given, a model prepared anew is
+    stored in the prepared-model cache by a job handed to it (`load_model`), which the caller runs
+    once it serves. Raises models.ModelLoadError (with a clear message) when the model cannot be
+    loaded."""
     from prefixserve.engine.async_engine import AsyncEngine
     from prefixserve.engine.torch_thread import TorchThread
 
     thread = TorchThread()
     try:
         core, model_id, tokenizer, detail, vocab_size = thread.call(
-            lambda: _build_core(model_config, cache_config, engine_config, progress or _silent, cache_listener)
+            lambda: _build_core(model_config, cache_config, engine_config, progress or _silent, cache_listener, later)
         )
     except BaseException:
         thread.close()
@@ -90,7 +94,7 @@ def _silent(phase: str, detail: str) -> None:
 
 def _build_core(
     model_config: ModelConfig, cache_config: CacheConfig, engine_config: EngineConfig, progress: Progress,
-    cache_listener: CacheListener | None,
+    cache_listener: CacheListener | None, later: Later | None = None,
 ) -> tuple[EngineCore, str, Any, str, int]:
     """Runs on the engine's TorchThread, which all later torch work uses too: the runtime's threads and
     kernels, the model and its self-test, the cache tiers, then the core. Returns the core, the served
@@ -101,7 +105,7 @@ def _build_core(
     from prefixserve.engine.core import EngineCore
 
     device, dtype = _prepare_runtime(model_config)
-    loaded, runner, result, dtype = _load_self_tested(model_config, device, dtype, progress)
+    loaded, runner, result, dtype = _load_self_tested(model_config, device, dtype, progress, later)
     disk, shared = _open_tiers(cache_config, loaded, device, progress)
     max_len = _context_length(model_config, loaded.arch.max_position)
     if cache_config.max_bytes == 0 and (cache_config.disk_max_bytes > 0 or cache_config.shared is not None):
@@ -145,6 +149,7 @@ def _prepare_runtime(model_config: ModelConfig) -> tuple[str, Any]:
 
 def _load_self_tested(
     model_config: ModelConfig, device: str, dtype: Any, progress: Progress,
+    later: Later | None = None,
 ) -> tuple[Any, ModelRunner, SelfTestResult, Any]:
     """Load the model and run the invariance self-test (its verdict remembered under the prepared-model
     cache); with --dtype auto, a failed non-fp32 mode is loaded again in fp32 and tested. Returns
@@ -169,7 +174,7 @@ def _load_self_tested(
 
         progress("loading_model", loading)
         return load_model(model_config.path, dtype, device, decode_kernel=decode_kernel,
-                          cache_dir=model_config.cache_dir, waiting=waiting)
+                          cache_dir=model_config.cache_dir, waiting=waiting, later=later)
 
     loaded = load(dtype, model_config.decode_kernel)
     memo = None if model_config.cache_dir is None else os.path.join(model_config.cache_dir, "selftest")

@@ -212,3 +212,68 @@ def test_a_write_that_fails_is_logged_and_the_model_still_loads(
         assert prepared.save_while(str(tmp_path), _parts(), fresh.decoder, lambda: fresh.tokenizer) is fresh.tokenizer
     assert "cannot store" in caplog.text and "No space left" in caplog.text
     assert os.listdir(tmp_path) == []
+
+
+def test_a_store_left_for_later_writes_the_model_as_prepared(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path
+) -> None:
+    """`prefixserve serve` stores a model it prepared anew once it serves (`later`): until the job runs
+    there is no entry (its tokenizer waits in a temporary directory), and the job stores the tensors as
+    they were prepared, whatever the loader did to the decoder since; a later load gives them bit for bit."""
+    _, cached = fresh_and_cached
+    jobs: list = []
+    loaded = load_model(None, torch.bfloat16, cache_dir=str(tmp_path), later=jobs.append)
+    assert len(jobs) == 1
+    (tmp,) = os.listdir(tmp_path)
+    assert tmp.startswith(".tmp-") and os.listdir(tmp_path / tmp) == ["tokenizer"]
+    layer = loaded.decoder.layers[0]
+    layer.qkv = torch.zeros_like(layer.qkv)  # replaced after preparing (as fp32 copies replace them)
+    jobs[0]()
+    (entry,) = os.listdir(tmp_path)
+    assert {"manifest.json", "tensors.pt", "tokenizer"} <= set(os.listdir(tmp_path / entry))
+    again = load_model(None, torch.bfloat16, cache_dir=str(tmp_path))
+    want, got = _tensors(cached.decoder), _tensors(again.decoder)
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, a), (_, b) in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    ids = cached.tokenizer.encode(TEXTS[0])
+    assert again.tokenizer.encode(TEXTS[0]) == ids
+
+
+def test_a_store_left_for_later_that_fails_is_logged_and_leaves_nothing(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fresh, _ = fresh_and_cached
+    monkeypatch.setattr(prepared, "_tensors", lambda decoder: {"w": torch.zeros(4)})
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepared, "_finish", full)
+    job = prepared.save_later(str(tmp_path), _parts(), fresh.decoder, fresh.tokenizer)
+    assert job is not None
+    with caplog.at_level(logging.WARNING, logger="prefixserve.models"):
+        job()  # a background thread's job: never raises
+    assert "cannot store" in caplog.text and "No space left" in caplog.text
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dead_processs_temporary_directory_is_removed_a_live_ones_kept(
+    fresh_and_cached: tuple[LoadedModel, LoadedModel], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed while storing leaves its temporary directory (380 MB for the embedded model);
+    the next store removes those untouched for STALE_TMP_S, and leaves a running store's alone."""
+    fresh, _ = fresh_and_cached
+    monkeypatch.setattr(prepared, "_tensors", lambda decoder: {"w": torch.zeros(4)})
+    dead, live = tmp_path / ".tmp-dead", tmp_path / ".tmp-live"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "tensors.pt").write_bytes(b"x" * 1000)
+    old = dead.stat().st_mtime - prepared.STALE_TMP_S - 60
+    os.utime(dead, (old, old))
+    job = prepared.save_later(str(tmp_path), _parts(), fresh.decoder, fresh.tokenizer)
+    assert job is not None
+    job()
+    names = os.listdir(tmp_path)
+    assert ".tmp-dead" not in names and ".tmp-live" in names and prepared.entry_key(_parts()) in names

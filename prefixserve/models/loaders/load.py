@@ -20,6 +20,7 @@ from prefixserve.models.llama.decoder import Decoder
 from prefixserve.models.loaders import prepared
 from prefixserve.models.loaders.gguf import GGUFModel, small_pages
 from prefixserve.models.loaders.llama_weights import attach_int4, build_decoder
+from prefixserve.models.loaders.prepared import Later
 from prefixserve.models.tokenizer import Tokenizer, load_tokenizer_folder, load_tokenizer_gguf
 
 log = logging.getLogger("prefixserve.models")
@@ -97,12 +98,15 @@ def resolve_device(device: str) -> str:
 def load_model(
     path: str | None, dtype: torch.dtype, device: str = "cpu", tiles: TilePlan | None = None,
     decode_kernel: str = "auto", cache_dir: str | None = None, waiting: Callable[[bool], None] | None = None,
+    later: Later | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or an HF folder. Raises ModelLoadError (never a bare traceback) on bad input.
 
     decode_kernel: "int4" gives decode rows the GGUF's 4-bit weights (models/kernels/int4.py), "dense"
     never, "auto" where the file and runtime allow it (Q4_0/Q4_1/Q8_0 weights, bf16 on the CPU).
     cache_dir: the prepared-model cache (models/loaders/prepared.py) for a Llama-family GGUF; None = none.
+    later: given, a freshly prepared model's tensors are stored by a job handed to it, to run when the
+    caller has time (`prefixserve serve`: once it serves); else while the tokenizer is converted.
 
     On a first start the native kernels may still be compiling (`native_build.prebuild`): the model is
     read and prepared meanwhile as for kernels that build (`native.expected`), and the build is waited
@@ -111,11 +115,11 @@ def load_model(
     known = device != "cpu" or not native_build.building()
     with small_pages():  # the preparation's numpy temporaries (models/loaders/gguf.py)
         try:
-            return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir, _Kernels(known, waiting))
+            return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir, _Kernels(known, waiting), later)
         except _KernelsFailed:
             log.warning("native kernels: their build failed while the model was prepared for them; preparing it "
                         "again for the torch formulations")
-            return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir, _Kernels(True, None))
+            return _load_model(path, dtype, device, tiles, decode_kernel, cache_dir, _Kernels(True, None), later)
 
 
 class _KernelsFailed(Exception):
@@ -146,7 +150,7 @@ class _Kernels:
 
 def _load_model(
     path: str | None, dtype: torch.dtype, device: str, tiles: TilePlan | None, decode_kernel: str,
-    cache_dir: str | None, kernels: _Kernels,
+    cache_dir: str | None, kernels: _Kernels, later: Later | None,
 ) -> LoadedModel:
     if path is None:
         path = embedded_model_path()
@@ -184,8 +188,8 @@ def _load_model(
         kernels.built()
         return LoadedModel(hdec, tokenizer, hg.arch, name, path)  # type: ignore[arg-type]
     if cache_dir is not None:
-        return _widened(_load_gguf_cached(path, name, dtype, device, tiles or TilePlan(), decode_kernel, cache_dir),
-                        kernels)
+        return _widened(_load_gguf_cached(path, name, dtype, device, tiles or TilePlan(), decode_kernel, cache_dir,
+                                          later), kernels)
     gm = GGUFModel(path)
     decoder = gguf_decoder(gm, dtype, device, tiles or TilePlan(), decode_kernel, usable_cores())
     return _widened(LoadedModel(decoder, load_tokenizer_gguf(path, gm.meta.get("general.architecture")), gm.arch,
@@ -235,7 +239,8 @@ def _timeable(dec: Decoder) -> bool:
 
 
 def _load_gguf_cached(
-    path: str, name: str, dtype: torch.dtype, device: str, tiles: TilePlan, decode_kernel: str, cache_dir: str
+    path: str, name: str, dtype: torch.dtype, device: str, tiles: TilePlan, decode_kernel: str, cache_dir: str,
+    later: Later | None = None,
 ) -> LoadedModel:
     """`load_model` of a Llama-family GGUF through the prepared-model cache: the same tensors and
     tokenizer, bit for bit (tests/runner/test_prepared.py), in a second instead of ~15."""
@@ -252,8 +257,9 @@ def _load_gguf_cached(
                 lambda: load_tokenizer_gguf(path, gm.meta.get("general.architecture")))
 
     t0 = time.perf_counter()
-    decoder, tokenizer, hit = prepared.cached_or_prepare(cache_dir, parts, tiles, prepare)
-    log.info("model %s %s the prepared-model cache %s in %.1f s", path, "loaded from" if hit else "prepared into",
+    decoder, tokenizer, hit = prepared.cached_or_prepare(cache_dir, parts, tiles, prepare, later)
+    log.info("model %s %s the prepared-model cache %s in %.1f s", path,
+             "loaded from" if hit else "prepared into" if later is None else "prepared (stored later) into",
              cache_dir, time.perf_counter() - t0)
     if decode_kernel == "int4" and not decoder.int4_decode:
         raise ModelLoadError(f"decode kernel int4: no weight in {path} is Q4_0, Q4_1 or Q8_0")

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -55,6 +55,7 @@ _PREPARING_MODULES = ("loaders/prepared.py", "loaders/gguf.py", "loaders/llama_w
                       "kernels/qmatmul.c")
 _LAYER_TENSORS = ("attn_norm", "qkv", "qkv_bias", "o_proj", "mlp_norm", "gate_up", "down", "q_norm", "k_norm")
 _LAYER_INT4 = ("qkv_q4", "o_q4", "gate_up_q4", "down_q4")
+Later = Callable[[Callable[[], None]], None]  # takes a job to run when its caller has time (`save_later`)
 
 
 def file_identity(path: str) -> str:
@@ -157,13 +158,8 @@ def save_while(cache_dir: str, parts: Mapping[str, str], decoder: Decoder,
     tokenizer; an exception of `make_tokenizer` is raised once the write has stopped, and leaves
     no entry."""
     entry = os.path.join(cache_dir, entry_key(parts))
-    if os.path.isdir(entry):
-        return make_tokenizer()
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)
-    except OSError as e:
-        log.warning("prepared-model cache: cannot store %s (%s)", entry, e)
+    tmp = _begin(cache_dir, entry)
+    if tmp is None:
         return make_tokenizer()
     payload = os.path.join(tmp, "tensors.pt")
     written: list[BaseException | None] = []
@@ -189,39 +185,109 @@ def save_while(cache_dir: str, parts: Mapping[str, str], decoder: Decoder,
         if failure is not None:
             raise failure
         tokenizer.hf.save_pretrained(os.path.join(tmp, "tokenizer"))
-        manifest = {
-            "key": dict(parts),
-            "arch": asdict(decoder.arch),
-            "extra_eos_ids": list(tokenizer.extra_eos_ids),
-            "payload_bytes": os.path.getsize(payload),
-            "payload_xxh3": file_identity(payload),
-            "created": time.time(),
-        }
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, entry)  # atomic; fails if another process got there first
+        _finish(tmp, entry, parts, decoder.arch, tokenizer.extra_eos_ids)
     except OSError as e:
         log.warning("prepared-model cache: cannot store %s (%s)", entry, e)
-        return tokenizer
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed
-    _evict(cache_dir, keep=os.path.basename(entry))
     return tokenizer
+
+
+def save_later(cache_dir: str, parts: Mapping[str, str], decoder: Decoder,
+               tokenizer: Tokenizer) -> Callable[[], None] | None:
+    """Store a freshly prepared model in two steps: the tokenizer now (on this thread: the object is
+    the server's from here on, and a fast tokenizer is not to be used from two threads at once),
+    the tensors by the returned job, which the caller runs when the write costs nothing it waits
+    for (the server: on a thread of its own once it serves). The job holds the tensors as prepared
+    now, whatever the loader then does to the decoder (fp32 copies, AMX packs replace them, never
+    change them). None: nothing to store (the entry is there, or no directory can be made). The job
+    logs a failure (a full disk), never raises, and leaves no temporary directory."""
+    entry = os.path.join(cache_dir, entry_key(parts))
+    tmp = _begin(cache_dir, entry)
+    if tmp is None:
+        return None
+    try:
+        tokenizer.hf.save_pretrained(os.path.join(tmp, "tokenizer"))
+    except OSError as e:
+        log.warning("prepared-model cache: cannot store %s (%s)", entry, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    tensors, arch, extra_eos_ids = _tensors(decoder), decoder.arch, tuple(tokenizer.extra_eos_ids)
+
+    def store() -> None:
+        t0 = time.perf_counter()
+        try:
+            torch.save(tensors, os.path.join(tmp, "tensors.pt"))
+            _finish(tmp, entry, parts, arch, extra_eos_ids)
+            log.info("prepared-model cache: stored %s in %.1f s", entry, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001  -- a background write: logged, the next start prepares again
+            log.warning("prepared-model cache: cannot store %s (%s: %s)", entry, type(e).__name__, e)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed
+
+    return store
+
+
+STALE_TMP_S = 3600.0  # a temporary directory untouched this long is a dead process's: removed
+
+
+def _begin(cache_dir: str, entry: str) -> str | None:
+    """A temporary directory for `entry` in `cache_dir` (removing dead processes' ones), or None
+    where the entry is there already or no directory can be made (logged)."""
+    if os.path.isdir(entry):
+        return None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for name in os.listdir(cache_dir):
+            path = os.path.join(cache_dir, name)
+            if name.startswith(".tmp-") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        return tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir)
+    except OSError as e:
+        log.warning("prepared-model cache: cannot store %s (%s)", entry, e)
+        return None
+
+
+def _finish(tmp: str, entry: str, parts: Mapping[str, str], arch: ArchConfig, extra_eos_ids: Sequence[int]) -> None:
+    """The manifest of `tmp`, whose tensors.pt and tokenizer/ are written, then `tmp` renamed to
+    `entry` (atomic: a concurrent process's rename wins, this one's OSError) and the least recently
+    used entries over MAX_ENTRIES removed."""
+    payload = os.path.join(tmp, "tensors.pt")
+    manifest = {
+        "key": dict(parts),
+        "arch": asdict(arch),
+        "extra_eos_ids": list(extra_eos_ids),
+        "payload_bytes": os.path.getsize(payload),
+        "payload_xxh3": file_identity(payload),
+        "created": time.time(),
+    }
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, entry)  # atomic; fails if another process got there first
+    _evict(os.path.dirname(entry), keep=os.path.basename(entry))
 
 
 def cached_or_prepare(
     cache_dir: str, parts: Mapping[str, str], tiles: TilePlan,
     prepare: Callable[[], tuple[Decoder, Callable[[], Tokenizer]]],
+    later: Later | None = None,
 ) -> tuple[Decoder, Tokenizer, bool]:
     """(decoder, tokenizer, from_cache). `prepare` returns the decoder and a call that converts its
-    tokenizer, made while the decoder's tensors are stored (`save_while`)."""
+    tokenizer, made while the decoder's tensors are stored (`save_while`); or, given `later`, the
+    tensors are stored by a job handed to it (`save_later`)."""
     got = load(cache_dir, parts, tiles)
     if got is not None:
         return got[0], got[1], True
     decoder, make_tokenizer = prepare()
-    return decoder, save_while(cache_dir, parts, decoder, make_tokenizer), False
+    if later is None:
+        return decoder, save_while(cache_dir, parts, decoder, make_tokenizer), False
+    tokenizer = make_tokenizer()
+    job = save_later(cache_dir, parts, decoder, tokenizer)
+    if job is not None:
+        later(job)
+    return decoder, tokenizer, False
 
 
 def _int4(w: Int4Weight | None) -> dict[str, Any] | None:
