@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         # server; once it serves, SIGHUP reads the API keys again (server/operator/auth.py, `reload_keys`)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
+    if args.command == "serve":  # its --log-level sets up logging (server/launch.py); a call here first made it a no-op
         return _serve(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         from prefixserve.cli.generate import run_generate
 

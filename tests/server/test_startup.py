@@ -219,3 +219,16 @@ def test_sigterm_while_loading_exits_cleanly(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_log_level_warning_leaves_info_lines_out() -> None:
+    """`--log-level warning`: no phase lines, no INFO record of the server's own loggers (the access
+    log, the model's), from start-up to a served request; the server serves as ever."""
+    with ServerProcess(["--no-ledger", "--log-level", "warning"], start_timeout=240) as srv:
+        r = httpx.post(srv.openai_url + "/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        log = srv.log_text()
+    assert "OPEN" in log  # a warning still goes out: no API keys, every caller is one tenant
+    assert not [line for line in log.splitlines() if line.startswith("prefixserve: [") or " INFO " in line], log[-3000:]
