@@ -29,7 +29,7 @@ from typing import Self
 from prefixserve.ledger import store
 from prefixserve.ledger.pricing import Pricing
 from prefixserve.ledger.records import UsageQuery, UsageRecord, UsageRow
-from prefixserve.ledger.writer import BackgroundWriter, Put, retry_until_done
+from prefixserve.ledger.writer import BackgroundWriter, Put, log_retry, retry_until_done
 
 logger = logging.getLogger(__name__)
 
@@ -228,10 +228,10 @@ class Ledger:
             return
         rows = [store.to_row(rec, self.pricing) for rec in batch]
 
-        def failed() -> None:
+        def failed(failures: int) -> None:
             with self._lock:
                 self._num_write_errors += 1
-            logger.exception("usage ledger: commit of %d records failed; retrying", len(rows))
+            log_retry(logger, failures, "usage ledger: commit of %d records failed; retrying", len(rows))
 
         num_new, num_refused = retry_until_done(lambda: _insert_isolating_refused(conn, rows), failed)
         with self._lock:

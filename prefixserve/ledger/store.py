@@ -95,6 +95,9 @@ def init_schema(path: str) -> None:
             raise RuntimeError(f"{path}: could not switch the ledger to WAL mode (got {mode})")
         conn.execute("BEGIN IMMEDIATE")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if conn.execute("PRAGMA application_id").fetchone()[0] != 0:  # the ledger never sets one; the stored
+            conn.execute("ROLLBACK")                                   # responses' file, for one, does
+            raise RuntimeError(f"{path}: not a usage ledger (another SQLite database)")
         if version not in (0, 1, SCHEMA_VERSION):
             conn.execute("ROLLBACK")
             raise RuntimeError(f"{path}: ledger schema version {version}, this build reads {SCHEMA_VERSION}")

@@ -168,15 +168,30 @@ class BackgroundWriter(Generic[T]):
                 return batch, waiters, False
 
 
-def retry_until_done(attempt: Callable[[], R], failed: Callable[[], None]) -> R:
+def retry_until_done(attempt: Callable[[], R], failed: Callable[[int], None]) -> R:
     """`attempt()` until it raises no sqlite3.Error (a locked file, an I/O error, a full disk: transient,
-    so the write is delayed, never dropped), backing off 0.05 s doubling to 2 s. `failed()` runs inside
-    the except, so it can count, roll back and log the exception."""
+    so the write is delayed, never dropped), backing off 0.05 s doubling to 2 s. `failed(n)` (the n-th
+    failure in a row) runs inside the except, so it can count, roll back and log (`log_retry`)."""
     backoff_s = 0.05
+    failures = 0
     while True:
         try:
             return attempt()
         except sqlite3.Error:
-            failed()
+            failures += 1
+            failed(failures)
             time.sleep(backoff_s)
             backoff_s = min(2.0, backoff_s * 2)
+
+
+RETRY_LOG_EVERY = 15  # a failing commit says so again every this many tries (~30 s at the 2 s backoff)
+
+
+def log_retry(log: logging.Logger, failures: int, message: str, *args: object) -> None:
+    """Log the `failures`-th failure in a row of a commit (called inside its except): the first with
+    its traceback, then one line every RETRY_LOG_EVERY tries, not a traceback every 2 s while a disk
+    stays full."""
+    if failures == 1:
+        log.exception(message, *args)
+    elif failures % RETRY_LOG_EVERY == 0:
+        log.warning(message + " (still, %d tries)", *args, failures)

@@ -530,6 +530,24 @@ def test_usage_api_over_the_real_ledger(make_client: Any, tmp_path: Any) -> None
     assert client.get(f"/v1/usage?start_time={start}").status_code == 401
 
 
+def test_usage_api_while_the_ledger_cannot_commit_is_a_503_to_retry(make_client: Any, tmp_path: Any,
+                                                                      monkeypatch: Any) -> None:
+    """A full or failing disk: the ledger holds its records and cannot make them durable, so a query
+    (which reads its own writes) cannot answer now: a 503 with Retry-After, not a 500."""
+    from prefixserve.ledger import Ledger, Pricing
+
+    ledger = Ledger(str(tmp_path / "usage.sqlite3"), Pricing.default())
+    client = make_client(ledger=ledger)
+
+    def stuck(timeout: float = 5.0) -> None:
+        raise TimeoutError(f"usage ledger: records not durable after {timeout} s")
+
+    monkeypatch.setattr(ledger, "flush", stuck)
+    r = client.get(f"/v1/usage?start_time={int(time.time()) - 3600}", headers=auth(ADMIN))
+    assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+    assert r.json()["error"]["code"] == "ledger_not_durable"
+
+
 def test_usage_api_without_a_ledger_is_404(client: TestClient) -> None:
     r = client.get("/v1/usage?start_time=0", headers=auth())
     assert r.status_code == 404 and r.json()["error"]["code"] == "ledger_disabled"

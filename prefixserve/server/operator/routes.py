@@ -81,6 +81,10 @@ async def usage(request: Request) -> Any:
         )
     except UsageQueryError as e:
         raise bad_request(e.message, e.param) from None
+    except TimeoutError:  # the ledger cannot commit (a full or failing disk): its records wait in memory
+        raise APIError(503, "the usage ledger cannot commit its records now (its disk is full or failing); the "
+                            "usage is kept and counted once it can: try again later",
+                       code="ledger_not_durable", headers={"Retry-After": "5"}) from None
 
 
 @router.delete("/v1/cache")

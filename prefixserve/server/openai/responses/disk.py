@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixserve.ledger.writer import BackgroundWriter, Put, retry_until_done
+from prefixserve.ledger.writer import BackgroundWriter, Put, log_retry, retry_until_done
 from prefixserve.types import LEGACY_OPEN_TENANT_ID, OPEN_TENANT_ID
 
 logger = logging.getLogger(__name__)
@@ -189,10 +189,11 @@ class ResponseDisk:
                 conn.execute(sql, params)
             conn.execute("COMMIT")
 
-        def failed() -> None:
+        def failed(failures: int) -> None:
             _rollback(conn)
             self.num_write_errors += 1
-            logger.exception("stored responses: a commit of %d writes to %s failed; retrying", len(ops), self.path)
+            log_retry(logger, failures, "stored responses: a commit of %d writes to %s failed; retrying", len(ops),
+                      self.path)
 
         retry_until_done(attempt, failed)
         return True
