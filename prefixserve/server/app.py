@@ -94,6 +94,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.warning("no API keys configured: the server is OPEN, every caller is one tenant")
     else:
         logger.info("serving %d tenant(s)", keys.num_tenants)
+        keys.warn_admin_tenant()
         if not keys.has_admin and not state.config.metrics_open:
             logger.warning("/metrics answers no one: with API keys it takes the admin key (--admin-key), "
                            "or serve with --metrics-open")

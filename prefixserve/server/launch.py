@@ -73,6 +73,7 @@ class Launch:
             specs += read_keys_file_for_flag(s["api_keys_file"])
         for spec in specs:
             parse_key_spec(spec)
+        check_model_path(s["model"])
         model_config = ModelConfig(
             path=s["model"],
             served_model_name=s["served_model_name"],
@@ -168,6 +169,25 @@ def shared_tier_config(s: dict[str, Any]) -> SharedTierConfig | None:
         raise ValueError("--cache-redis-url needs a secret: --cache-redis-key or --cache-redis-key-file")
     secret = read_secret_file(key_file) if key_file else key.encode()
     return SharedTierConfig(url=url, secret=secret)
+
+
+def check_model_path(path: str | None) -> None:
+    """A --model that cannot be a model is a ValueError naming the flag, before torch is imported: a
+    path that is not there, a file without GGUF's magic, a folder without config.json (what each
+    loader reads first). What else is wrong with a model shows when it loads (exit status 1)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--model {path}: a model folder holds config.json (a Hugging Face folder); this one does not")
+        return
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"--model {path}: cannot read it: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"--model {path}: not a GGUF file (no GGUF magic) nor a model folder")
 
 
 def read_secret_file(path: str) -> bytes:

@@ -45,6 +45,17 @@ def test_reload_swaps_every_key_at_once_and_a_failed_read_changes_nothing(caplog
     assert any("no --api-keys-file" in m for m in said), said
 
 
+def test_a_reload_that_makes_a_tenants_key_the_admin_key_says_so(caplog: Any) -> None:
+    """Allowed (the key is both), but named: by mistake it hands one customer every other's cache."""
+    keys = KeyStore.from_specs(["alice sk-a"], "sk-admin")
+    with caplog.at_level(logging.INFO, logger="prefixserve.server"):
+        reload_keys(keys, lambda: KeyStore.from_specs(["alice sk-a", "bob sk-admin"], "sk-admin"))
+    assert keys.identify("Bearer sk-admin").tenant_id == "bob" and keys.identify("Bearer sk-admin").is_admin
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["SIGHUP: the admin key is also tenant bob's API key: that key flushes every tenant's cache "
+                      "and reads every tenant's usage"], warned
+
+
 def test_a_keys_file_is_read_as_an_editor_writes_it_and_a_bad_one_says_where(tmp_path: Path) -> None:
     """QA: a byte-order mark (Windows editors) became part of the first key, and every client was
     locked out; a key listed twice named neither line; a NUL-only line was a key."""

@@ -66,8 +66,10 @@ def test_keystore() -> None:
         KeyStore.from_specs(["sk-3 sk-2", "sk-3"])  # a tenant named like another tenant's key
     with pytest.raises(ValueError, match="tenant name"):
         KeyStore.from_specs(["sk-1 sk-1"])
-    both = KeyStore.from_specs(["boss adm"], admin_key="adm").identify("Bearer adm")
+    boss = KeyStore.from_specs(["boss adm", "bob sk-b"], admin_key="adm")
+    both = boss.identify("Bearer adm")
     assert (both.tenant_id, both.is_admin) == ("boss", True)
+    assert boss.admin_tenant == "boss" and ks.admin_tenant is None  # said at start: a mistake would give it all
     open_ks = KeyStore.from_specs([], admin_key="adm")
     assert open_ks.is_open and open_ks.identify(None).tenant_id == OPEN_TENANT_ID
     assert open_ks.identify("Bearer adm").is_admin
@@ -163,6 +165,18 @@ def test_bad_configuration_exits_2_before_loading_a_model(tmp_path: Path, capsys
     assert run.run_serve(_args("--api-key", "a b c", "--no-ledger")) == 2
     assert run.run_serve(_args("--port", "0", "--no-ledger")) == 2
     assert "prefixserve serve:" in capsys.readouterr().err
+
+
+def test_a_model_path_that_cannot_be_a_model_exits_2_naming_the_flag(tmp_path: Path, capsys: Any) -> None:
+    """Before torch is imported: no such path, a file that is no GGUF, a folder without config.json."""
+    text, folder = tmp_path / "keys.txt", tmp_path / "empty"
+    text.write_text("alice sk-alice\n")
+    folder.mkdir()
+    for path, says in ((tmp_path / "missing.gguf", "cannot read it"), (text, "not a GGUF file"),
+                       (folder, "holds config.json")):
+        assert run.run_serve(_args("--model", str(path), "--no-ledger")) == 2
+        err = capsys.readouterr().err
+        assert f"--model {path}: " in err and says in err, err
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:

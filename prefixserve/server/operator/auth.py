@@ -54,7 +54,8 @@ class KeyStore:
     attribute): each call reads one generation of keys, never a mix."""
 
     def __init__(self, entries: Iterable[tuple[str, str]] = (), admin_key: str | None = None) -> None:
-        """entries: (tenant_id, key) pairs. Raises ValueError on an empty or duplicated key."""
+        """entries: (tenant_id, key) pairs. Raises ValueError on an empty or duplicated key. An admin key
+        that is also a tenant's makes that key both (`admin_tenant`)."""
         seen: set[bytes] = set()
         keys: list[_KeyEntry] = []
         for tenant_id, key in entries:
@@ -108,6 +109,18 @@ class KeyStore:
     def has_admin(self) -> bool:
         return self._state[1] is not None
 
+    @property
+    def admin_tenant(self) -> str | None:
+        """The tenant whose key is also the admin key (it generates as that tenant and holds the
+        admin's rights over every other), else None: worth a warning, as a mistake would be."""
+        keys, admin = self._state
+        return next((k.tenant_id for k in keys if k.digest == admin), None)
+
+    def warn_admin_tenant(self, why: str = "") -> None:
+        if (tenant := self.admin_tenant) is not None:
+            logger.warning("%sthe admin key is also tenant %s's API key: that key flushes every tenant's cache and "
+                           "reads every tenant's usage", f"{why}: " if why else "", tenant)
+
     def identify(self, authorization: str | None) -> Principal:
         """Map an Authorization header to a Principal. Raises APIError(401) when keys are configured and
         the header carries none of them (nor the admin key). In open mode every caller is the open
@@ -159,6 +172,7 @@ def reload_keys(keys: KeyStore, source: Callable[[], KeyStore] | None, why: str 
     keys.replace(new)
     if why != "start" or changes != "no change":
         logger.info("%s: API keys read again: %d tenant(s); %s", why, new.num_tenants, changes)
+        new.warn_admin_tenant(why)
 
 
 def parse_key_spec(spec: str) -> tuple[str, str]:
