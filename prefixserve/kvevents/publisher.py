@@ -208,15 +208,17 @@ class KVEventPublisher:
         replay = self._replay
         while replay is not None and replay.poll(0):
             frames = replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
+            # [client, b"", seq] from a REQ socket (or a DEALER sending the empty delimiter first, as
+            # vLLM's client does), [client, seq] from a DEALER sending the sequence alone: answered
+            # in the envelope it came in
+            if len(frames) not in (2, 3) or len(frames[-1]) != 8 or (len(frames) == 3 and frames[1]):
                 log.warning("KV events: malformed replay request of %d frames", len(frames))
                 continue
-            client, _, start = frames
-            first = int.from_bytes(start, "big")
+            envelope, first = tuple(frames[:-1]), int.from_bytes(frames[-1], "big")
             for seq, payload in self._buffer:
                 if seq >= first:
-                    replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            replay.send_multipart((client, b"", END_SEQ, b""))
+                    replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((*envelope, END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):

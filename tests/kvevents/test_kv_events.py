@@ -176,6 +176,34 @@ def check(cache: PrefixCache[State], reader: Reader) -> Index:
     return index
 
 
+def test_replay_answers_req_and_both_dealer_framings_alike(published: tuple[PrefixCache[State], Reader]) -> None:
+    """docs/gateway.md: `[start]` from a REQ socket, or a DEALER sending it alone or after an empty
+    frame (vLLM's); each gets the same batches in the envelope it asked in."""
+    cache, reader = published
+    cache.insert(NS_A, SYSTEM, state(SYSTEM))
+    reader.sync()
+    want = [[seq, payload] for _, seq, payload in reader.messages]
+    for kind, lead in ((zmq.REQ, []), (zmq.DEALER, []), (zmq.DEALER, [b""])):
+        sock = reader.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(reader.endpoint)
+        sock.send_multipart([*lead, (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            frames = sock.recv_multipart()
+            if kind == zmq.REQ:  # a REQ takes one reply: the first batch only, then it asks again
+                got.append(frames)
+                break
+            assert frames[:len(lead)] == lead
+            seq, payload = frames[len(lead):]
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            got.append([seq, payload])
+        sock.close()
+        assert got == (want[:1] if kind == zmq.REQ else want), kind
+
+
 def test_every_stored_and_removed_prefix_is_announced(published: tuple[PrefixCache[State], Reader]) -> None:
     cache, reader = published
     index = check(cache, reader)
