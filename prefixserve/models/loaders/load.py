@@ -196,13 +196,15 @@ def _load_model(
                                 name, path), kernels)
 
 
-def _widened(m: LoadedModel, kernels: _Kernels) -> LoadedModel:
+def _widened(m: LoadedModel, kernels: _Kernels | None = None) -> LoadedModel:
     """A Llama-family decoder configured for this CPU, after any prepared-model cache has stored the
     bf16 weights: on a CPU with PREFIXSERVE_DENSE_MATMUL=auto, the fastest of its exact prefill
     kernels, timed here (models/llama/kernel_choice.py); set by that variable otherwise: the 4-bit codes or
     fp32 copies where `fp32_matmuls_wanted`, else AMX tiles where the CPU has them. The first of it that
-    needs the native kernels waits for a first start's build (`_Kernels.built`)."""
-    kernels.built()
+    needs the native kernels waits for a first start's build (`_Kernels.built`; None: a decoder made
+    with them known)."""
+    if kernels is not None:
+        kernels.built()
     dec = m.decoder
     choice = _dense_matmul_choice()
     if choice == "auto" and dec.dtype == torch.bfloat16 and dec.device.type == "cpu" and _timeable(dec):
