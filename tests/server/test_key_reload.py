@@ -52,8 +52,8 @@ def test_a_reload_that_makes_a_tenants_key_the_admin_key_says_so(caplog: Any) ->
         reload_keys(keys, lambda: KeyStore.from_specs(["alice sk-a", "bob sk-admin"], "sk-admin"))
     assert keys.identify("Bearer sk-admin").tenant_id == "bob" and keys.identify("Bearer sk-admin").is_admin
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warned == ["SIGHUP: the admin key is also tenant bob's API key: that key flushes every tenant's cache "
-                      "and reads every tenant's usage"], warned
+    assert warned == [("SIGHUP: the admin key is also tenant bob's API key: that key flushes every tenant's cache "
+                       "and reads every tenant's usage")], warned
 
 
 def test_a_keys_file_is_read_as_an_editor_writes_it_and_a_bad_one_says_where(tmp_path: Path) -> None:
