@@ -198,12 +198,13 @@ def _renamed(e: APIError, num_system: int, num_history: int) -> APIError:
     if e.param is not None:
         if m := re.match(r"messages\[(\d+)\]", e.param):
             k = int(m.group(1))
-            item = f"input[{k - num_system - num_history}]"
-            where = ("instructions" if k < num_system else "previous_response_id" if k < num_system + num_history
-                     else item + e.param[m.end():])
-            if where.startswith("input["):  # the message names the item as the param does
-                e.message = e.message.replace(m.group(0), item)
-            e.param = where
+            if k < num_system:
+                e.param = "instructions"
+            elif k < num_system + num_history:
+                e.param = "previous_response_id"
+            else:  # an input item: the message names it as the param does
+                item = f"input[{k - num_system - num_history}]"
+                e.param, e.message = item + e.param[m.end():], e.message.replace(m.group(0), item)
         for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
                            ("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
                            ("response_format", "text.format")):
