@@ -110,7 +110,7 @@ def load_model(
 
     On a first start the native kernels may still be compiling (`native_build.prebuild`): the model is
     read and prepared meanwhile as for kernels that build (`native.expected`), and the build is waited
-    for only where the kernels are first needed (`_kernels_built`: `waiting(True)` as that wait begins,
+    for only where the kernels are first needed (`_Kernels.built`: `waiting(True)` as that wait begins,
     `waiting(False)` as it ends). Where the build failed, the model is prepared again without them."""
     known = device != "cpu" or not native_build.building()
     with small_pages():  # the preparation's numpy temporaries (models/loaders/gguf.py)
